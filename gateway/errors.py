@@ -1,0 +1,152 @@
+"""The gateway's exception tree and its mapping to OpenAI's error envelope.
+
+Imports nothing from the gateway or from web frameworks, so every layer may raise these.
+
+    GatewayError                      status_code, type, code; fields message, param, headers
+     ├─ InvalidRequestError      400  invalid_request_error
+     │   └─ RequestTooLargeError 413  invalid_request_error   code=request_too_large
+     ├─ AuthenticationError      401  authentication_error    code=invalid_api_key
+     ├─ PermissionDeniedError    403  permission_error        code=model_not_allowed
+     ├─ NotFoundError            404  invalid_request_error   code=model_not_found
+     ├─ RateLimitError           429  rate_limit_error        code=rate_limit_exceeded, + Retry-After
+     ├─ InternalError            500  internal_error
+     └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
+         ├─ EngineUnavailableError    503  code=engine_unavailable
+         ├─ KeyStoreUnavailableError  503  code=key_store_unavailable
+         ├─ EngineProtocolError       502  code=engine_protocol_error
+         └─ EngineTimeoutError        504  code=engine_timeout
+
+The HTTP status comes from the class, never from message text: OpenAI SDKs pick the exception
+class they raise from the status, so the status is what must be right.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import orjson
+
+
+class GatewayError(Exception):
+    """Base of every failure the gateway answers itself; rendered as OpenAI's error envelope."""
+
+    status_code: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+    code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def to_openai_body(self) -> dict[str, Any]:
+        """The error as OpenAI's envelope: `{"error": {"message", "type", "param", "code"}}`."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_json(self) -> bytes:
+        """The envelope serialised, ready to be sent as a body or an SSE data line."""
+        return orjson.dumps(self.to_openai_body())
+
+
+class InvalidRequestError(GatewayError):
+    """The request cannot be served as sent; `param` names the offending field."""
+
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The body exceeds the configured size limit."""
+
+    status_code = 413
+    code = "request_too_large"
+
+
+class AuthenticationError(GatewayError):
+    """Missing, malformed, unknown, revoked, disabled or expired API key (one message for all)."""
+
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(GatewayError):
+    """The key is valid but may not use what it asked for."""
+
+    status_code = 403
+    type = "permission_error"
+    code = "model_not_allowed"
+
+
+class NotFoundError(GatewayError):
+    """The requested model (or route) does not exist here."""
+
+    status_code = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class InternalError(GatewayError):
+    """An unexpected failure inside the gateway; the message stays generic."""
+
+
+class _RetryableError(GatewayError):
+    """An error that carries `Retry-After` (whole seconds, at least 1)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float = 1.0,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        merged = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+        merged.update(headers or {})
+        super().__init__(message, param=param, headers=merged)
+        self.retry_after = retry_after
+
+
+class RateLimitError(_RetryableError):
+    """A limit of the key (or of the client address) is exhausted; retry after `Retry-After`."""
+
+    status_code = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class ServiceUnavailableError(_RetryableError):
+    """A part the gateway depends on is down; retry after `Retry-After`."""
+
+    status_code = 503
+    type = "service_unavailable"
+    code = "service_unavailable"
+
+
+class EngineUnavailableError(ServiceUnavailableError):
+    """The engine is not running, not ready, or refused the connection."""
+
+    code = "engine_unavailable"
+
+
+class KeyStoreUnavailableError(ServiceUnavailableError):
+    """Redis (keys and limits) does not answer; the gateway fails closed."""
+
+    code = "key_store_unavailable"
+
+
+class EngineProtocolError(ServiceUnavailableError):
+    """The engine answered with something that is not a valid HTTP/OpenAI response."""
+
+    status_code = 502
+    code = "engine_protocol_error"
+
+
+class EngineTimeoutError(ServiceUnavailableError):
+    """The engine did not answer (or stopped streaming) within the configured timeout."""
+
+    status_code = 504
+    code = "engine_timeout"
