@@ -1,0 +1,546 @@
+"""A fake `vllm serve`: vLLM's OpenAI-compatible HTTP API with per-request faults and a request log.
+
+Pure ASGI under uvicorn, so it owns `receive()` and can see a client leave at any point.
+Run it as `python -m tests.fakes.fake_engine --port P`; it imports nothing from `gateway`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from http import HTTPStatus
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "nemotron-test"
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_OUTPUT_TOKENS = 16
+SSE_CONTENT_TYPE = b"text/event-stream; charset=utf-8"
+JSON_CONTENT_TYPE = b"application/json"
+# vLLM names its error types after the exception it raised; these are the ones it uses.
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """vLLM's error envelope for `status`."""
+    default = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    err_type = _ERROR_TYPES.get(status, default)
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+
+
+@dataclass
+class RequestRecord:
+    """What a test can assert on about one completion request; served as JSON by /_test/requests."""
+
+    seq: int
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+    request_id: str | None
+    stream: bool
+    received_at: float
+    status: int | None = None
+    tokens_sent: int = 0
+    completed: bool = False
+    completed_at: float | None = None
+    disconnected: bool = False
+    disconnected_at: float | None = None
+    aborted: bool = False
+
+
+@dataclass
+class Faults:
+    """The `fake_*` body fields that steer one request."""
+
+    token_delay: float = 0.0
+    prefill_delay: float = 0.0
+    status: int | None = None
+    die_after: int | None = None
+    hang: bool = False
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Faults:
+        status, die_after = body.get("fake_status"), body.get("fake_die_after")
+        return cls(
+            token_delay=float(body.get("fake_token_delay", 0.0)),
+            prefill_delay=float(body.get("fake_prefill_delay", 0.0)),
+            status=int(status) if status is not None else None,
+            die_after=int(die_after) if die_after is not None else None,
+            hang=bool(body.get("fake_hang", False)),
+        )
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    active_requests: int = 0
+    active_streams: int = 0
+    completed: int = 0
+    disconnects: int = 0
+    aborted: int = 0
+    health_checks: int = 0
+
+
+@dataclass
+class Health:
+    status: int = 200
+    hang: bool = False
+
+
+class Exchange:
+    """One HTTP exchange: reads the body, then watches `receive()` for the client going away."""
+
+    def __init__(self, receive: Receive, send: Send) -> None:
+        self._receive = receive
+        self.send = send
+        self.gone = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def read_body(self) -> bytes | None:
+        chunks: list[bytes] = []
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        self._watcher = asyncio.create_task(self._watch())
+        return b"".join(chunks)
+
+    async def _watch(self) -> None:
+        # After the body, uvicorn's receive() only returns on disconnect or once the response is complete.
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+
+    async def pause(self, seconds: float) -> bool:
+        """Sleep up to `seconds` (at least one loop turn); True if the client went away meanwhile."""
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return self.gone.is_set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.gone.wait(), seconds)
+        return self.gone.is_set()
+
+    async def start(self, status: int, content_type: bytes | None, length: int | None = None) -> None:
+        headers = [] if content_type is None else [(b"content-type", content_type)]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def send_body(self, body: bytes, more: bool = False) -> None:
+        await self.send({"type": "http.response.body", "body": body, "more_body": more})
+
+    async def send_json(self, status: int, obj: Any) -> None:
+        body = _dumps(obj)
+        await self.start(status, JSON_CONTENT_TYPE, len(body))
+        await self.send_body(body)
+
+    async def send_empty(self, status: int) -> None:
+        await self.start(status, None, 0)
+        await self.send_body(b"")
+
+    async def abort(self) -> None:
+        """Close the TCP connection mid-response, like an engine process dying."""
+        # uvicorn hands out its per-request cycle's bound `send`; its transport is the only way to
+        # drop a connection before any response (returning early would make uvicorn answer 500).
+        transport = getattr(getattr(self.send, "__self__", None), "transport", None)
+        if transport is None:
+            return  # returning without completing makes uvicorn close the transport itself
+        transport.close()
+        # Waiting for connection_lost keeps uvicorn from logging "returned without completing response".
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.gone.wait(), 1.0)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+
+
+def count_prompt_tokens(path: str, body: dict[str, Any]) -> int:
+    """A deterministic prompt size: whitespace words of the text, or the length of token-id lists."""
+    if path.endswith("/chat/completions"):
+        texts: list[Any] = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                texts.extend(part.get("text", "") for part in content if isinstance(part, dict))
+            else:
+                texts.append(content)
+        return sum(len(str(text).split()) for text in texts if text)
+    prompt = body.get("prompt", "")
+    items = prompt if isinstance(prompt, list) else [prompt]
+    if items and all(isinstance(item, int) for item in items):
+        return len(items)
+    return sum(len(item) if isinstance(item, list) else len(str(item).split()) for item in items)
+
+
+@dataclass
+class Completion:
+    """The answer to one completion request, rendered in vLLM's chat or text-completion shapes."""
+
+    chat: bool
+    model: str
+    prompt_tokens: int
+    max_tokens: int | None
+    include_usage: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n_tokens(self) -> int:
+        return DEFAULT_OUTPUT_TOKENS if self.max_tokens is None else self.max_tokens
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.max_tokens is None else "length"
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        total = self.prompt_tokens + completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+    def _envelope(self, stream: bool) -> dict[str, Any]:
+        prefix, obj = ("chatcmpl-", "chat.completion") if self.chat else ("cmpl-", "text_completion")
+        if self.chat and stream:
+            obj += ".chunk"
+        return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self) -> dict[str, Any]:
+        text = " ".join(f"tok{i}" for i in range(self.n_tokens))
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=self.finish_reason, stop_reason=None)
+        return {**self._envelope(False), "choices": [choice], "usage": self.usage(self.n_tokens)}
+
+    def _chunk(self, delta: str, finish_reason: str | None, role: bool = False) -> bytes:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": delta} if role else {"content": delta}
+        else:
+            choice["text"] = delta
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        if not self.chat:
+            choice["stop_reason"] = None
+        chunk = {**self._envelope(True), "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return b"data: " + _dumps(chunk) + b"\n\n"
+
+    def events(self) -> Iterator[tuple[str, bytes]]:
+        """(kind, SSE event) in order: [role], one `token` per token, [usage], `done`."""
+        if self.chat:
+            yield "role", self._chunk("", None, role=True)
+        for i in range(self.n_tokens):
+            last = i == self.n_tokens - 1
+            yield "token", self._chunk(f"tok{i}" if i == 0 else f" tok{i}", self.finish_reason if last else None)
+        if self.n_tokens == 0:
+            yield "finish", self._chunk("", self.finish_reason)
+        if self.include_usage:
+            usage_chunk = {**self._envelope(True), "choices": [], "usage": self.usage(self.n_tokens)}
+            yield "usage", b"data: " + _dumps(usage_chunk) + b"\n\n"
+        yield "done", b"data: [DONE]\n\n"
+
+
+class FakeEngine:
+    """The ASGI app: OpenAI routes, health, and the /_test/* control and inspection endpoints."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
+        self.model = model
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+        self.records: list[RequestRecord] = []
+        self.by_request_id: dict[str, RequestRecord] = {}
+        self.stats = Stats()
+        self.health = Health()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        exchange = Exchange(receive, send)
+        try:
+            body = await exchange.read_body()
+            if body is not None:
+                await self._dispatch(scope, exchange, body)
+        finally:
+            await exchange.close()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _dispatch(self, scope: Scope, exchange: Exchange, body: bytes) -> None:
+        method, path = scope["method"], scope["path"]
+        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            await self._completion(scope, exchange, body)
+        elif method == "GET" and path == "/health":
+            await self._health(exchange)
+        elif method == "GET" and path == "/v1/models":
+            await exchange.send_json(200, self._models())
+        elif path.startswith("/_test/"):
+            await self._control(method, path, exchange, body)
+        else:
+            await exchange.send_json(404, error_body(404, f"Not Found: {method} {path}"))
+
+    def _models(self) -> dict[str, Any]:
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": self.created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "vllm", "root": self.model}
+        card.update(parent=None, max_model_len=self.max_model_len, permission=[permission])
+        return {"object": "list", "data": [card]}
+
+    async def _health(self, exchange: Exchange) -> None:
+        self.stats.health_checks += 1
+        if self.health.hang:
+            await exchange.gone.wait()
+            return
+        await exchange.send_empty(self.health.status)  # vLLM: a bare Response(status_code=...)
+
+    async def _control(self, method: str, path: str, exchange: Exchange, body: bytes) -> None:
+        if method == "GET" and path == "/_test/requests":
+            await exchange.send_json(200, [asdict(record) for record in self.records])
+        elif method == "GET" and path.startswith("/_test/requests/"):
+            record = self.by_request_id.get(path.removeprefix("/_test/requests/"))
+            if record is None:
+                await exchange.send_json(404, error_body(404, "No request with that x-request-id."))
+            else:
+                await exchange.send_json(200, asdict(record))
+        elif method == "GET" and path == "/_test/stats":
+            await exchange.send_json(200, asdict(self.stats))
+        elif method == "POST" and path == "/_test/reset":
+            self.records.clear()
+            self.by_request_id.clear()
+            active_requests, active_streams = self.stats.active_requests, self.stats.active_streams
+            self.stats = Stats(active_requests=active_requests, active_streams=active_streams)
+            self.health = Health()
+            await exchange.send_json(200, {"ok": True})
+        elif method == "POST" and path == "/_test/health":
+            options = json.loads(body or b"{}")
+            self.health = Health(status=int(options.get("status", 200)), hang=bool(options.get("hang", False)))
+            await exchange.send_json(200, asdict(self.health))
+        elif method == "POST" and path == "/_test/exit":
+            code = int(json.loads(body or b"{}").get("code", 1))
+            await exchange.send_json(200, {"exiting": code})
+            # Let the answer leave before the process vanishes, as a crashing engine would.
+            asyncio.get_running_loop().call_later(0.05, os._exit, code)
+        else:
+            await exchange.send_json(404, error_body(404, f"Not Found: {method} {path}"))
+
+    def _record(self, scope: Scope, body: Any, stream: bool) -> RequestRecord:
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in scope["headers"]:
+            name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        request_id = headers.get("x-request-id")
+        record = RequestRecord(
+            seq=len(self.records) + 1,
+            method=scope["method"],
+            path=scope["path"],
+            headers=headers,
+            body=body,
+            request_id=request_id,
+            stream=stream,
+            received_at=time.time(),
+        )
+        self.records.append(record)
+        if request_id is not None:
+            self.by_request_id[request_id] = record
+        return record
+
+    async def _completion(self, scope: Scope, exchange: Exchange, raw: bytes) -> None:
+        try:
+            body: Any = json.loads(raw)
+        except ValueError:
+            body = None
+        stream = isinstance(body, dict) and bool(body.get("stream", False))
+        record = self._record(scope, body, stream)
+        self.stats.requests += 1
+        self.stats.active_requests += 1
+        try:
+            await self._answer(exchange, record, body)
+        finally:
+            self.stats.active_requests -= 1
+            if record.disconnected:
+                self.stats.disconnects += 1
+
+    async def _answer(self, exchange: Exchange, record: RequestRecord, body: Any) -> None:
+        if not isinstance(body, dict):
+            await self._finish_json(exchange, record, 400, error_body(400, "The request body is not a JSON object."))
+            return
+        faults = Faults.from_body(body)
+        if faults.hang:
+            await exchange.gone.wait()
+            self._mark_gone(record)
+            return
+        error = self._validate(record.path, body)
+        if faults.status is not None or error is not None:
+            if await exchange.pause(faults.prefill_delay):
+                self._mark_gone(record)
+            elif faults.status is not None:
+                await self._finish_json(exchange, record, faults.status, error_body(faults.status, "fake_status"))
+            elif error is not None:
+                await self._finish_json(exchange, record, error[0], error_body(*error))
+            return
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        completion = Completion(
+            chat=record.path.endswith("/chat/completions"),
+            model=self.model,
+            prompt_tokens=count_prompt_tokens(record.path, body),
+            max_tokens=int(max_tokens) if max_tokens is not None else None,
+            include_usage=bool((body.get("stream_options") or {}).get("include_usage", False)),
+        )
+        if record.stream:
+            await self._stream(exchange, record, completion, faults)
+        else:
+            await self._respond(exchange, record, completion, faults)
+
+    def _validate(self, path: str, body: dict[str, Any]) -> tuple[int, str] | None:
+        """The checks vLLM makes before generating: model name, context length."""
+        model = body.get("model")
+        if model is not None and model != self.model:
+            return 404, f"The model `{model}` does not exist."
+        if path.endswith("/chat/completions") and not isinstance(body.get("messages"), list):
+            return 400, "messages: Field required"
+        prompt_tokens = count_prompt_tokens(path, body)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        requested = prompt_tokens + (int(max_tokens) if max_tokens is not None else 0)
+        if requested > self.max_model_len:
+            return 400, (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{requested} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion."
+            )
+        return None
+
+    async def _respond(self, exchange: Exchange, record: RequestRecord, completion: Completion, faults: Faults) -> None:
+        if await exchange.pause(faults.prefill_delay + faults.token_delay * max(completion.n_tokens - 1, 0)):
+            self._mark_gone(record)
+        elif faults.die_after is not None:
+            await self._abort(exchange, record)
+        else:
+            record.tokens_sent = completion.n_tokens
+            await self._finish_json(exchange, record, 200, completion.response())
+
+    async def _stream(self, exchange: Exchange, record: RequestRecord, completion: Completion, faults: Faults) -> None:
+        self.stats.active_streams += 1
+        try:
+            record.status = 200
+            await exchange.start(200, SSE_CONTENT_TYPE)
+            for position, (kind, event) in enumerate(completion.events()):
+                if position == 0:
+                    delay = faults.prefill_delay
+                else:
+                    delay = faults.token_delay if kind == "token" and record.tokens_sent > 0 else 0.0
+                if await exchange.pause(delay):
+                    self._mark_gone(record)
+                    return
+                if kind != "role" and faults.die_after is not None and record.tokens_sent >= faults.die_after:
+                    await self._abort(exchange, record)
+                    return
+                await exchange.send_body(event, more=True)
+                if kind == "token":
+                    record.tokens_sent += 1
+            await exchange.send_body(b"")
+            self._mark_completed(record)
+        finally:
+            self.stats.active_streams -= 1
+
+    async def _finish_json(self, exchange: Exchange, record: RequestRecord, status: int, obj: Any) -> None:
+        record.status = status
+        await exchange.send_json(status, obj)
+        self._mark_completed(record)
+
+    async def _abort(self, exchange: Exchange, record: RequestRecord) -> None:
+        record.aborted = True
+        self.stats.aborted += 1
+        await exchange.abort()
+
+    def _mark_completed(self, record: RequestRecord) -> None:
+        record.completed, record.completed_at = True, time.time()
+        self.stats.completed += 1
+
+    def _mark_gone(self, record: RequestRecord) -> None:
+        record.disconnected, record.disconnected_at = True, time.time()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, optionally deaf to SIGTERM (an engine stuck in a CUDA call)."""
+
+    def __init__(self, config: uvicorn.Config, ignore_sigterm: bool) -> None:
+        super().__init__(config)
+        self.ignore_sigterm = ignore_sigterm
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.ignore_sigterm and sig == signal.SIGTERM:
+            logger.warning("fake engine ignoring SIGTERM")
+            return
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    parser.add_argument("--startup-delay", type=float, default=0.0, help="seconds before binding (model load)")
+    parser.add_argument("--ignore-sigterm", action="store_true")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(args.startup_delay)
+    app = FakeEngine(model=args.model, max_model_len=args.max_model_len)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, interface="asgi3", log_level=args.log_level, access_log=False
+    )
+    _Server(config, ignore_sigterm=args.ignore_sigterm).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Real server processes for tests: free ports, start/ready/stop in a process group, polling, the fake engine.
+
+Imports nothing from `gateway`; the fake engine is spoken to over HTTP only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar, overload
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float = 0.02, message: str = "") -> T:
+    """Poll `predicate` until it returns something truthy and return that; AssertionError at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(message or f"condition not met within {timeout}s (last value: {result!r})")
+        time.sleep(interval)
+
+
+@overload
+async def async_wait_until(
+    predicate: Callable[[], Awaitable[T]], within: float = ..., interval: float = ..., message: str = ...
+) -> T: ...
+
+
+@overload
+async def async_wait_until(
+    predicate: Callable[[], T], within: float = ..., interval: float = ..., message: str = ...
+) -> T: ...
+
+
+async def async_wait_until(
+    predicate: Callable[[], Any], within: float = 5.0, interval: float = 0.02, message: str = ""
+) -> Any:
+    """`wait_until` for async tests: sleeps on the loop and awaits the predicate's result if it is awaitable.
+
+    The limit is `within`, not `timeout` (ruff ASYNC109 reserves that name for asyncio.timeout).
+    """
+    deadline = time.monotonic() + within
+    while True:
+        result: Any = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(message or f"condition not met within {within}s (last value: {result!r})")
+        await asyncio.sleep(interval)
+
+
+class ServerProcessError(RuntimeError):
+    """A server process exited or never became ready; the message carries the tail of its log."""
+
+
+class ServerProcess:
+    """A subprocess in its own process group, logged to a temp file, ready when its URL or check answers.
+
+    `with ServerProcess(argv, ready_url=...) as proc:` starts and waits; leaving the block stops it:
+    SIGTERM to the group, up to `stop_timeout` seconds, then SIGKILL to the group.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        ready_url: str | None = None,
+        ready_status: int = 200,
+        ready_check: Callable[[], bool] | None = None,
+        start_timeout: float = 20.0,
+        stop_timeout: float = 5.0,
+        port: int | None = None,
+    ) -> None:
+        self.argv = [str(arg) for arg in argv]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.cwd = Path(cwd) if cwd is not None else REPO_ROOT
+        self.ready_url = ready_url
+        self.ready_status = ready_status
+        self.ready_check = ready_check
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.port = port
+        self.returncode: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path: Path | None = None
+        self._final_log: str | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("process not started")
+        return self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, wait: bool = True) -> Self:
+        fd, name = tempfile.mkstemp(prefix="server-", suffix=".log")
+        self._log_path = Path(name)
+        try:
+            self._proc = subprocess.Popen(
+                self.argv,
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            os.close(fd)
+        if wait:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the ready URL answers `ready_status` (or `ready_check()` is true); raise if it exits."""
+        deadline = time.monotonic() + (self.start_timeout if timeout is None else timeout)
+        with httpx.Client(timeout=1.0) as client:
+            while True:
+                if self._proc is None or self._proc.poll() is not None:
+                    raise ServerProcessError(f"{self.argv[0]} exited before ready:\n{self.tail()}")
+                if self._is_ready(client):
+                    return
+                if time.monotonic() >= deadline:
+                    raise ServerProcessError(f"{self.argv[0]} not ready after {self.start_timeout}s:\n{self.tail()}")
+                time.sleep(0.05)
+
+    def _is_ready(self, client: httpx.Client) -> bool:
+        if self.ready_check is not None and not self.ready_check():
+            return False
+        if self.ready_url is None:
+            return True
+        try:
+            return client.get(self.ready_url).status_code == self.ready_status
+        except httpx.TransportError:
+            return False
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the whole process group."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM the group, wait up to `timeout` (default `stop_timeout`), then SIGKILL it; the exit code."""
+        proc = self._proc
+        # poll() first: once the leader is reaped its pid (= the group id) may belong to someone else.
+        if proc is not None and proc.poll() is None:
+            self.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self.stop_timeout if timeout is None else timeout)
+            except subprocess.TimeoutExpired:
+                self.send_signal(signal.SIGKILL)
+                proc.wait()
+        if proc is not None:
+            self.returncode = proc.returncode
+        if self._log_path is not None and self._final_log is None:
+            self._final_log = self._log_path.read_text(errors="replace")
+            self._log_path.unlink(missing_ok=True)
+        return self.returncode
+
+    def log_text(self) -> str:
+        """Everything the process wrote to stdout and stderr so far."""
+        if self._final_log is not None:
+            return self._final_log
+        if self._log_path is None:
+            return ""
+        return self._log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 50) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> Self:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def fake_engine_argv(port: int, **options: Any) -> list[str]:
+    """argv for `python -m tests.fakes.fake_engine`; `max_model_len=8` becomes `--max-model-len 8`, True a flag."""
+    argv = [sys.executable, "-m", "tests.fakes.fake_engine", "--port", str(port)]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run_fake_engine(port: int | None = None, *, wait: bool = True, **options: Any) -> ServerProcess:
+    """Start the fake engine (cwd = repo root) and, unless `wait=False`, wait for its /health; caller stops it."""
+    port = free_port() if port is None else port
+    start_timeout = 20.0 + float(options.get("startup_delay", 0.0))
+    proc = ServerProcess(
+        fake_engine_argv(port, **options),
+        cwd=REPO_ROOT,
+        ready_url=f"http://127.0.0.1:{port}/health",
+        start_timeout=start_timeout,
+        port=port,
+    )
+    return proc.start(wait=wait)
+
+
+class FakeEngineControl:
+    """A running fake engine and its /_test/* API; sync methods for fixtures, `a`-prefixed ones for async tests.
+
+    The async ones matter when the gateway runs on the test's own event loop: a sync call would stall it.
+    """
+
+    def __init__(self, process: ServerProcess) -> None:
+        if process.port is None:
+            raise ValueError("the fake engine's ServerProcess needs a port")
+        self.process = process
+        self.port = process.port
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def _call(self, method: str, path: str, json: Any = None) -> Any:
+        with httpx.Client(base_url=self.base_url, timeout=5.0) as client:
+            response = client.request(method, path, json=json)
+            response.raise_for_status()
+            return response.json()
+
+    async def _acall(self, method: str, path: str, json: Any = None) -> Any:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=5.0) as client:
+            response = await client.request(method, path, json=json)
+            response.raise_for_status()
+            return response.json()
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Every completion request since the last reset, oldest first."""
+        result: list[dict[str, Any]] = self._call("GET", "/_test/requests")
+        return result
+
+    def request(self, request_id: str) -> dict[str, Any]:
+        """The record of the request that carried `x-request-id: request_id`."""
+        result: dict[str, Any] = self._call("GET", f"/_test/requests/{request_id}")
+        return result
+
+    def stats(self) -> dict[str, int]:
+        result: dict[str, int] = self._call("GET", "/_test/stats")
+        return result
+
+    def reset(self) -> None:
+        """Forget recorded requests and counters (not in-flight gauges) and make /health answer 200 again."""
+        self._call("POST", "/_test/reset")
+
+    def set_health(self, status: int, hang: bool = False) -> None:
+        self._call("POST", "/_test/health", {"status": status, "hang": hang})
+
+    async def arequests(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._acall("GET", "/_test/requests")
+        return result
+
+    async def arequest(self, request_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._acall("GET", f"/_test/requests/{request_id}")
+        return result
+
+    async def astats(self) -> dict[str, int]:
+        result: dict[str, int] = await self._acall("GET", "/_test/stats")
+        return result
+
+    async def areset(self) -> None:
+        await self._acall("POST", "/_test/reset")
+
+    async def aset_health(self, status: int, hang: bool = False) -> None:
+        await self._acall("POST", "/_test/health", {"status": status, "hang": hang})
