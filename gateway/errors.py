@@ -8,6 +8,7 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      ├─ AuthenticationError      401  authentication_error    code=invalid_api_key
      ├─ PermissionDeniedError    403  permission_error        code=model_not_allowed
      ├─ NotFoundError            404  invalid_request_error   code=model_not_found
+     │   └─ RouteNotFoundError   404  invalid_request_error   code=unknown_url
      ├─ RateLimitError           429  rate_limit_error        code=rate_limit_exceeded, + Retry-After
      ├─ InternalError            500  internal_error
      └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
@@ -87,6 +88,12 @@ class NotFoundError(GatewayError):
     status_code = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class RouteNotFoundError(NotFoundError):
+    """A path (or method) the gateway does not serve; the engine's other paths are never proxied."""
+
+    code = "unknown_url"
 
 
 class InternalError(GatewayError):

@@ -1,0 +1,1 @@
+"""The relay to the engine: the pooled client and the SSE stream relay."""

@@ -1,0 +1,202 @@
+"""Relays an engine's Server-Sent Events to the client as they arrive, and watches for the client leaving.
+
+Bytes pass through unparsed; only a line carrying a `"usage": {...}` object is read (for accounting)
+and, when the client did not ask for usage, dropped. Silence is filled with SSE comments; a stream
+that breaks or freezes ends with one OpenAI-shaped error event. Speaks raw ASGI; imports no web
+framework.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from typing import Any, TypeVar
+
+import aiohttp
+import orjson
+
+from gateway.errors import EngineTimeoutError, EngineUnavailableError, GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.relay.client import UpstreamResponse
+from gateway.requestlog import RequestRecord
+from gateway.settings import RelaySettings
+
+logger = logging.getLogger(__name__)
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+T = TypeVar("T")
+
+KEEP_ALIVE = b": keep-alive\n\n"
+_DONE = b"data: [DONE]"
+_USAGE_MARKERS = (b'"usage":{', b'"usage": {')
+SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    # nginx: never buffer this response, whatever the site config says.
+    (b"x-accel-buffering", b"no"),
+)
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before the answer was complete (logged with status 499)."""
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnectedError.
+
+    Cancelling `work` closes its engine connection, so vLLM aborts the generation and frees its KV
+    cache: a non-streamed request must not run on for minutes after its client has gone.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnectedError
+
+
+def error_event(error: GatewayError) -> bytes:
+    """One SSE event carrying OpenAI's error envelope (what the OpenAI SDK raises from mid-stream)."""
+    return b"data: " + error.to_json() + b"\n\n"
+
+
+class SSERelay:
+    """An ASGI response that pumps one engine stream to the client."""
+
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        record: RequestRecord,
+        settings: RelaySettings,
+        metrics: GatewayMetrics,
+        *,
+        strip_usage: bool,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> None:
+        self._upstream = upstream
+        self._record = record
+        self._settings = settings
+        self._metrics = metrics
+        self._strip_usage = strip_usage
+        self._headers = [*SSE_HEADERS, *headers]
+        self._saw_done = False
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self._upstream.status, "headers": self._headers})
+        try:
+            await run_until_disconnect(receive, self._pump(send))
+        except ClientDisconnectedError:
+            self._record.client_disconnected = True
+            self._metrics.client_disconnects.labels("stream").inc()
+        finally:
+            self._upstream.close()
+
+    async def _pump(self, send: Send) -> None:
+        content = self._upstream.content
+        heartbeat = self._settings.heartbeat_interval
+        chunk_timeout = self._settings.chunk_timeout
+        carry = b""
+        last_data = time.monotonic()
+        while True:
+            wait = min(heartbeat, last_data + chunk_timeout - time.monotonic())
+            try:
+                async with asyncio.timeout(wait):
+                    chunk = await content.readany()
+            except TimeoutError:
+                if time.monotonic() - last_data >= chunk_timeout:
+                    await self._fail(
+                        send,
+                        "timeout",
+                        EngineTimeoutError(
+                            f"The model engine sent nothing for {chunk_timeout:g} s; the stream was ended."
+                        ),
+                    )
+                    return
+                await send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
+                continue
+            except aiohttp.ClientError:
+                await self._fail(
+                    send,
+                    "stream_broken",
+                    EngineUnavailableError(
+                        "The model engine stopped in the middle of the stream; the answer is incomplete."
+                    ),
+                )
+                return
+            if not chunk:
+                break
+            last_data = time.monotonic()
+            if self._record.first_chunk_at is None:
+                self._record.first_chunk_at = time.perf_counter()
+            if carry:
+                chunk, carry = carry + chunk, b""
+            if not chunk.endswith(b"\n"):
+                # Hold back a partial line: nobody can act on it, and the usage line must be whole.
+                cut = chunk.rfind(b"\n") + 1
+                chunk, carry = chunk[:cut], chunk[cut:]
+                if not chunk:
+                    continue
+            if _USAGE_MARKERS[0] in chunk or _USAGE_MARKERS[1] in chunk:
+                chunk = self._take_usage(chunk)
+            if chunk[-24:].rstrip().endswith(_DONE):
+                self._saw_done = True
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if carry:
+            await send({"type": "http.response.body", "body": carry, "more_body": True})
+        if not self._saw_done:
+            await self._fail(
+                send,
+                "stream_broken",
+                EngineUnavailableError(
+                    "The model engine ended the stream without finishing it; the answer is incomplete."
+                ),
+            )
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _take_usage(self, chunk: bytes) -> bytes:
+        marker = chunk.find(_USAGE_MARKERS[0])
+        if marker < 0:
+            marker = chunk.find(_USAGE_MARKERS[1])
+        start = chunk.rfind(b"\n", 0, marker) + 1
+        end = chunk.find(b"\n", marker)
+        line = chunk[start:end]
+        if line.startswith(b"data:"):
+            try:
+                event = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                return chunk
+            if isinstance(event, dict):
+                self._record.take_usage(event.get("usage"))
+                if self._strip_usage and not event.get("choices"):
+                    # The usage-only chunk the gateway asked for on the client's behalf: drop the
+                    # line and the blank line that ends its event.
+                    if chunk[end + 1 : end + 2] == b"\n":
+                        end += 1
+                    return chunk[:start] + chunk[end + 1 :]
+        return chunk
+
+    async def _fail(self, send: Send, kind: str, error: GatewayError) -> None:
+        self._record.engine_error = kind
+        self._metrics.engine_errors.labels(kind).inc()
+        logger.warning("stream %s ended early: %s", self._record.request_id, error.message)
+        await send({"type": "http.response.body", "body": error_event(error), "more_body": False})

@@ -1,0 +1,1 @@
+"""HTTP routes; each module exports `router`. Only `gateway.app` imports this package."""

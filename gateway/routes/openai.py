@@ -1,0 +1,130 @@
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Handlers stay short: they call validation, the engine client and the SSE relay. The completion
+routes are plain Starlette endpoints (no FastAPI body parsing or dependency solving on the hot
+path); everything they need comes from `deps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request, Response
+
+from gateway.deps import get_record, get_services
+from gateway.errors import EngineUnavailableError, RequestTooLargeError
+from gateway.relay.client import UpstreamResponse, engine_error_body
+from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
+from gateway.requestlog import RequestRecord
+from gateway.schemas import ModelInfo
+from gateway.services import Services
+from gateway.settings import Settings
+from gateway.validation import PreparedRequest, prepare_chat, prepare_completion
+
+router = APIRouter()
+
+Prepare = Callable[[bytes, Settings, ModelInfo], PreparedRequest]
+
+
+class _ASGIResponse(Response):
+    """Hands an ASGI app (the SSE relay) to Starlette as a response."""
+
+    def __init__(self, app: SSERelay) -> None:
+        self._app = app
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._app(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLargeError(f"The request body is {declared} bytes; the limit is {limit} bytes.")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise RequestTooLargeError(f"The request body is larger than the limit of {limit} bytes.")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _open(services: Services, path: str, prepared: PreparedRequest, record: RequestRecord) -> UpstreamResponse:
+    try:
+        return await services.engine.open(path, prepared.body, record.request_id)
+    except EngineUnavailableError as exc:
+        services.monitor.mark_down(exc.message)
+        services.metrics.engine_errors.labels("unavailable").inc()
+        raise
+
+
+async def _complete(
+    services: Services, path: str, prepared: PreparedRequest, record: RequestRecord
+) -> tuple[UpstreamResponse, bytes]:
+    upstream = await _open(services, path, prepared, record)
+    try:
+        return upstream, await services.engine.read_body(upstream)
+    except BaseException:
+        upstream.close()
+        raise
+
+
+def _engine_error(status: int, answer: bytes) -> Response:
+    return Response(engine_error_body(status, answer), status, media_type="application/json")
+
+
+async def _relay(request: Request, path: str, prepare: Prepare) -> Response:
+    services = get_services(request)
+    record = get_record(request)
+    body = await _read_body(request, services.settings.max_body_bytes)
+    prepared = prepare(body, services.settings, services.monitor.require_ready())
+    record.model, record.stream = prepared.model, prepared.stream
+    try:
+        if not prepared.stream:
+            upstream, answer = await run_until_disconnect(request.receive, _complete(services, path, prepared, record))
+            if upstream.status != 200:
+                return _engine_error(upstream.status, answer)
+            record.take_usage(orjson.loads(answer).get("usage"))
+            return Response(answer, 200, media_type=upstream.content_type)
+        upstream = await run_until_disconnect(request.receive, _open(services, path, prepared, record))
+    except ClientDisconnectedError:
+        record.client_disconnected = True
+        services.metrics.client_disconnects.labels("non_stream").inc()
+        return Response(status_code=499)
+    if upstream.status != 200:
+        return _engine_error(upstream.status, await services.engine.read_body(upstream))
+    relay = SSERelay(
+        upstream, record, services.settings.relay, services.metrics, strip_usage=not prepared.client_wants_usage
+    )
+    return _ASGIResponse(relay)
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions: validated, policy applied, relayed (streamed or not)."""
+    return await _relay(request, "/v1/chat/completions", prepare_chat)
+
+
+async def completions(request: Request) -> Response:
+    """POST /v1/completions: validated, policy applied, relayed (streamed or not)."""
+    return await _relay(request, "/v1/completions", prepare_completion)
+
+
+router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+router.add_route("/v1/completions", completions, methods=["POST"])
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    """GET /v1/models: the engine's list, with the configured aliases as further entries."""
+    services = get_services(request)
+    info = services.monitor.require_ready()
+    listing = await services.engine.get_json("/v1/models", services.settings.relay.probe_timeout)
+    entries = listing.get("data", []) if isinstance(listing, dict) else []
+    served = next((e for e in entries if isinstance(e, dict) and e.get("id") == info.name), None)
+    if served is not None:
+        entries.extend({**served, "id": alias} for alias in services.settings.model_aliases)
+    return Response(orjson.dumps({"object": "list", "data": entries}), media_type="application/json")

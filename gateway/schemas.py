@@ -1,0 +1,142 @@
+"""Pydantic models of the OpenAI request fields the gateway polices.
+
+Strict types (`"stream": "yes"` is an error, not True); `extra="allow"` so fields the gateway does not
+know (vLLM's extra sampling parameters) pass through. The validated models are only used to check;
+the request forwarded to the engine is the client's own JSON, with policy edits applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+
+ROLES = ("system", "user", "assistant", "tool")
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the gateway knows of the served model (from settings or the engine's /v1/models)."""
+
+    name: str
+    context_length: int | None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class ContentPart(_Strict):
+    """One element of a list-form `content`; text parts must carry a string `text`."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_part_has_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a content part of type 'text' needs a string 'text'")
+        return self
+
+
+class ChatMessage(_Strict):
+    """A chat message: role exactly one of system, user, assistant, tool."""
+
+    role: Role
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        # Checked here so the client gets one clear message instead of one error per union member.
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(part, dict) for part in value):
+            return value
+        raise ValueError("content must be a string or a list of content parts like {'type': 'text', 'text': '...'}")
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (a string)")
+        return self
+
+
+class StreamOptions(_Strict):
+    """`stream_options`; the gateway always asks the engine for usage and strips it when not wanted."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    raise ValueError("stop must be a string or a list of strings")
+
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: StrictStr
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    n: StrictInt | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: StrictInt | None = None
+    stop: Any = None
+    user: StrictStr | None = None
+
+    _stop = field_validator("stop", mode="before")(_check_stop)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """Body of POST /v1/completions."""
+
+    prompt: Any
+    echo: bool | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    suffix: StrictStr | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(item, str) and item for item in value):
+                return value
+            if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+                return value
+            if all(isinstance(item, list) and item and all(type(t) is int for t in item) for item in value):
+                return value
+        raise ValueError(
+            "prompt must be a non-empty string, a list of non-empty strings, a list of token ids, "
+            "or a list of lists of token ids"
+        )

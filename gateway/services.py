@@ -1,0 +1,65 @@
+"""Services: everything a request needs that lives as long as the app, built in the lifespan.
+
+One typed container on `app.state` instead of module globals. Imports services, never routes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis.asyncio as redis_asyncio
+from redis.exceptions import RedisError
+
+from gateway.metrics import GatewayMetrics
+from gateway.relay.client import EngineClient
+from gateway.relay.monitor import EngineMonitor
+from gateway.settings import Settings
+from gateway.store import connect_redis
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Services:
+    """The app's long-lived parts."""
+
+    settings: Settings
+    metrics: GatewayMetrics
+    engine: EngineClient
+    monitor: EngineMonitor
+    redis: redis_asyncio.Redis
+
+    @classmethod
+    def build(cls, settings: Settings, metrics: GatewayMetrics) -> Services:
+        """Construct (nothing is connected until `start`)."""
+        engine = EngineClient(settings)
+        return cls(
+            settings=settings,
+            metrics=metrics,
+            engine=engine,
+            monitor=EngineMonitor(engine, settings, metrics),
+            redis=connect_redis(settings),
+        )
+
+    async def start(self) -> None:
+        """Open pools and start background probes."""
+        await self.engine.start()
+        await self.monitor.start()
+        await self.check_redis()
+
+    async def stop(self) -> None:
+        """Stop probes, close pools."""
+        await self.monitor.stop()
+        await self.engine.stop()
+        await self.redis.aclose()
+
+    async def check_redis(self) -> str | None:
+        """Ping Redis: None when it answers, else why not."""
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as exc:
+            self.metrics.redis_up.set(0)
+            return f"Redis does not answer ({type(exc).__name__})"
+        self.metrics.redis_up.set(1)
+        return None

@@ -1,0 +1,206 @@
+"""Turns a client's request body into the body sent to the engine, or a clear 400.
+
+Checks the Nemotron pitfalls (see DESIGN.md) and applies policy: model aliases, the default system
+message, usage always requested in streams. Imports settings, errors and schemas only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.schemas import ROLES, ChatCompletionRequest, CompletionRequest, ModelInfo
+from gateway.settings import Settings
+
+# Four characters a token is the usual estimate for English text; it only sizes the up-front
+# token charge, which is reconciled with the engine's real count when the request ends.
+_CHARS_PER_TOKEN = 4
+_DEFAULT_MAX_TOKENS_ESTIMATE = 256
+
+# What to send instead, by pydantic error type.
+_HINTS: dict[str, str] = {
+    "bool_type": "send true or false",
+    "float_type": "send a number",
+    "int_type": "send a whole number",
+    "string_type": "send a string",
+    "list_type": "send a JSON array",
+    "dict_type": "send a JSON object",
+    "model_type": "send a JSON object",
+    "model_attributes_type": "send a JSON object",
+    "missing": "this field is required",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A validated request, ready for the engine."""
+
+    body: bytes
+    model: str
+    stream: bool
+    client_wants_usage: bool
+    prompt_tokens_estimate: int
+    max_tokens: int | None
+
+    @property
+    def tokens_estimate(self) -> int:
+        """Prompt estimate plus the completion budget: what a token limit charges up front."""
+        return self.prompt_tokens_estimate + (self.max_tokens or _DEFAULT_MAX_TOKENS_ESTIMATE)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying what is wrong with it."""
+    if not body.strip():
+        raise InvalidRequestError("The request body is empty; send a JSON object.")
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"The request body is not valid JSON ({exc}); send a JSON object.") from None
+    if not isinstance(parsed, dict):
+        raise InvalidRequestError(
+            f"The request body must be a JSON object, not a JSON {type(parsed).__name__}; "
+            'send {"model": ..., "messages": [...]}.'
+        )
+    return parsed
+
+
+def param_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as the client wrote it: `("messages", 1, "role")` -> `messages[1].role`."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def _as_request_error(exc: ValidationError) -> InvalidRequestError:
+    error = exc.errors(include_url=False)[0]
+    loc = tuple(part for part in error["loc"] if isinstance(part, int) or not part.startswith("function-"))
+    param = param_path(loc)
+    kind = error["type"]
+    if kind == "literal_error" and loc[-1:] == ("role",):
+        got = error.get("input")
+        hint = f"use one of {', '.join(repr(r) for r in ROLES)}, lowercase"
+        return InvalidRequestError(f"Invalid role {got!r} at '{param}': {hint}.", param=param)
+    if kind == "missing":
+        return InvalidRequestError(f"Missing required parameter '{param}'.", param=param)
+    if kind == "too_short" and param == "messages":
+        return InvalidRequestError("'messages' is empty; send at least one message.", param=param)
+    message = str(error["msg"]).removeprefix("Value error, ")
+    advice = _HINTS.get(kind)
+    got = ""
+    if not isinstance(error["input"], dict | list):
+        got = f" (got {orjson.dumps(error['input']).decode()[:80]})"
+    text = f"Invalid value for '{param}': {message}{got}."
+    if advice:
+        text = f"{text[:-1]}; {advice}."
+    return InvalidRequestError(text, param=param)
+
+
+def _validate(model: type[BaseModel], data: dict[str, Any]) -> None:
+    try:
+        model.model_validate(data)
+    except ValidationError as exc:
+        raise _as_request_error(exc) from None
+
+
+def _resolve_model(requested: str, settings: Settings, info: ModelInfo) -> str:
+    if requested == info.name:
+        return requested
+    if requested in settings.model_aliases:
+        return info.name
+    names = ", ".join(repr(n) for n in (info.name, *settings.model_aliases))
+    raise NotFoundError(f"The model {requested!r} does not exist here; use one of: {names}.", param="model")
+
+
+def _check_budget(data: dict[str, Any], settings: Settings, info: ModelInfo) -> int | None:
+    n = data.get("n")
+    if n is not None and n > settings.max_n:
+        raise InvalidRequestError(f"'n' is {n}; this gateway allows at most {settings.max_n}.", param="n")
+    field = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens: int | None = data.get(field)
+    if max_tokens is not None and info.context_length is not None and max_tokens > info.context_length:
+        raise InvalidRequestError(
+            f"'{field}' is {max_tokens}, more than the model's context length of {info.context_length} tokens "
+            f"(prompt included); send at most {info.context_length} minus the prompt's length.",
+            param=field,
+        )
+    return max_tokens
+
+
+def _apply_stream_policy(data: dict[str, Any]) -> tuple[bool, bool]:
+    stream = bool(data.get("stream"))
+    options = data.get("stream_options")
+    if not stream:
+        if options is not None:
+            raise InvalidRequestError("'stream_options' is only allowed with \"stream\": true.", param="stream_options")
+        return False, False
+    wants_usage = bool(options and options.get("include_usage"))
+    if not wants_usage:
+        # Ask the engine for usage anyway so accounting always has real token counts; the relay
+        # strips that extra chunk again before the client sees it.
+        data["stream_options"] = {**(options or {}), "include_usage": True}
+    return True, wants_usage
+
+
+def _text_length(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return 0
+
+
+def prepare_chat(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    """Validate a chat completion request and apply policy; raises InvalidRequestError / NotFoundError."""
+    data = parse_json_object(body)
+    _validate(ChatCompletionRequest, data)
+    model = _resolve_model(data["model"], settings, info)
+    data["model"] = model
+    max_tokens = _check_budget(data, settings, info)
+    stream, wants_usage = _apply_stream_policy(data)
+    messages: list[dict[str, Any]] = data["messages"]
+    if settings.inject_system_message and not any(m["role"] == "system" for m in messages):
+        data["messages"] = [{"role": "system", "content": settings.default_system_message}, *messages]
+    chars = sum(_text_length(m.get("content")) for m in data["messages"])
+    return PreparedRequest(
+        body=orjson.dumps(data),
+        model=model,
+        stream=stream,
+        client_wants_usage=wants_usage,
+        prompt_tokens_estimate=chars // _CHARS_PER_TOKEN + 1,
+        max_tokens=max_tokens,
+    )
+
+
+def prepare_completion(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    """Validate a text completion request and apply policy; raises InvalidRequestError / NotFoundError."""
+    data = parse_json_object(body)
+    _validate(CompletionRequest, data)
+    model = _resolve_model(data["model"], settings, info)
+    data["model"] = model
+    max_tokens = _check_budget(data, settings, info)
+    stream, wants_usage = _apply_stream_policy(data)
+    prompt = data["prompt"]
+    if isinstance(prompt, str):
+        estimate = len(prompt) // _CHARS_PER_TOKEN + 1
+    elif isinstance(prompt[0], str):
+        estimate = sum(len(p) for p in prompt) // _CHARS_PER_TOKEN + 1
+    elif isinstance(prompt[0], int):
+        estimate = len(prompt)
+    else:
+        estimate = sum(len(p) for p in prompt)
+    return PreparedRequest(
+        body=orjson.dumps(data),
+        model=model,
+        stream=stream,
+        client_wants_usage=wants_usage,
+        prompt_tokens_estimate=estimate,
+        max_tokens=max_tokens,
+    )
