@@ -305,3 +305,29 @@ class FakeEngineControl:
 
     async def aset_health(self, status: int, hang: bool = False) -> None:
         await self._acall("POST", "/_test/health", {"status": status, "hang": hang})
+
+
+def run_gateway(
+    engine_url: str,
+    redis_url: str,
+    *,
+    port: int | None = None,
+    wait_ready: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> ServerProcess:
+    """Start `nemotron-gateway serve` as a subprocess; `env` adds NEMOTRON_* settings. Caller stops it.
+
+    With `wait_ready` it waits for /ready (engine and Redis answer), else only for /health.
+    """
+    port = free_port() if port is None else port
+    argv = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--engine-url", engine_url]
+    argv += ["--redis-url", redis_url]
+    path = "/ready" if wait_ready else "/health"
+    proc = ServerProcess(
+        argv,
+        env={"NEMOTRON_LOG_LEVEL": "info", **(env or {})},
+        cwd=REPO_ROOT,
+        ready_url=f"http://127.0.0.1:{port}{path}",
+        port=port,
+    )
+    return proc.start()
