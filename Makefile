@@ -1,0 +1,14 @@
+# The README's commands. `make test` is what CI runs.
+.PHONY: test test-fast lint bench
+
+test:           ## the whole suite from a fresh clone: venv, install, ruff, mypy, pytest (all tiers)
+	scripts/test
+
+test-fast:      ## the suite without the real-vLLM tier
+	scripts/test -m "not engine"
+
+lint:
+	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests && .venv/bin/mypy
+
+bench:          ## gateway overhead vs the engine directly (figures for the README)
+	scripts/bootstrap && .venv/bin/python -m loadtest.overhead
