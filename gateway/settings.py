@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_SYSTEM_MESSAGE = "You are a helpful assistant."
@@ -56,6 +56,83 @@ class RedisSettings(_Group):
     max_connections: int = Field(256, ge=1, description="Size of the Redis connection pool.")
 
 
+class AuthSettings(_Group):
+    """API keys: how they are hashed, cached, and guarded against guessing (`NEMOTRON_AUTH__<FIELD>`)."""
+
+    secret: SecretStr | None = Field(
+        None,
+        description="Server secret for HMAC-SHA256 of API keys in Redis. Unset: plain SHA-256 (a warning is logged "
+        "at start). Changing it invalidates every existing key.",
+    )
+    cache_ttl: float = Field(
+        1.0,
+        gt=0,
+        le=1.0,
+        description="Seconds a key looked up in Redis is trusted from the in-process cache. Revocations also arrive "
+        "by pub/sub; this bound holds if that is lost, so it may not exceed 1 s.",
+    )
+    cache_size: int = Field(10_000, ge=1, description="Most keys kept in the in-process cache of each gateway process.")
+    fail_open: bool = Field(
+        False,
+        description="While Redis is down, keep admitting keys this process authenticated within "
+        "`fail_open_max_age` seconds (default: fail closed, 503 for everyone).",
+    )
+    fail_open_max_age: float = Field(
+        300.0, gt=0, description="Seconds a cached key stays usable for `fail_open` after its last Redis lookup."
+    )
+    failed_auth_limit: int = Field(
+        20,
+        ge=1,
+        description="Failed authentications from one client address within `failed_auth_window` that block it.",
+    )
+    failed_auth_window: float = Field(60.0, gt=0, description="Seconds over which failed authentications are counted.")
+    failed_auth_block: float = Field(
+        300.0, gt=0, description="Seconds a blocked client address is answered 429 without its key being checked."
+    )
+
+
+class RateLimitSettings(_Group):
+    """Per-key limits, held across every gateway process sharing Redis (`NEMOTRON_LIMITS__<FIELD>`).
+
+    A key's own limits override these defaults; 0 on a key means unlimited.
+    """
+
+    requests_per_minute: int | None = Field(
+        60, ge=1, description="Default requests per minute for keys without their own limit (unset: unlimited)."
+    )
+    tokens_per_minute: int | None = Field(
+        100_000,
+        ge=1,
+        description="Default tokens (prompt + completion) per minute for keys without their own limit "
+        "(unset: unlimited).",
+    )
+    max_concurrency: int | None = Field(
+        8, ge=1, description="Default requests in flight per key (streams count until they end; unset: unlimited)."
+    )
+    window: float = Field(60.0, gt=0, description="Seconds the per-minute limits refer to; only tests change it.")
+    lease_ttl: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a concurrency slot lives unless renewed; a crashed gateway's slots free themselves "
+        "after it.",
+    )
+    lease_renew_interval: float = Field(
+        10.0, gt=0, description="Seconds between renewals of this process's live slots; must be below `lease_ttl`."
+    )
+    fail_open: bool = Field(
+        False, description="While Redis is down, admit requests without limits (default: fail closed, 503)."
+    )
+    usage_retention_days: int = Field(
+        90, ge=1, description="Days the per-key daily usage counters (requests, tokens) are kept in Redis."
+    )
+
+    @model_validator(mode="after")
+    def _renew_before_expiry(self) -> RateLimitSettings:
+        if self.lease_renew_interval >= self.lease_ttl:
+            raise ValueError("lease_renew_interval must be below lease_ttl")
+        return self
+
+
 class Settings(BaseSettings):
     """The gateway's configuration: environment variables `NEMOTRON_<FIELD>`, an optional env file, or flags.
 
@@ -74,6 +151,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
     engine_url: str = Field(
         "http://127.0.0.1:8001", description="Base URL of the OpenAI-compatible engine (vllm serve) on this machine."
+    )
+    engine_api_key: SecretStr | None = Field(
+        None, description="Bearer token the gateway sends to the engine when vllm serve runs with --api-key."
     )
     redis_url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"),
@@ -98,9 +178,19 @@ class Settings(BaseSettings):
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request) accepted.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Write one access-log line per request.")
+    shutdown_grace: float = Field(
+        30.0, ge=0, description="Seconds a stopping gateway lets open requests and streams finish before closing them."
+    )
+    trusted_proxies: str = Field(
+        "127.0.0.1",
+        description="Comma-separated addresses (or *) whose X-Forwarded-For is believed for the client address "
+        "(nginx on this machine).",
+    )
 
     relay: RelaySettings = Field(default_factory=RelaySettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    limits: RateLimitSettings = Field(default_factory=RateLimitSettings)
 
     @field_validator("engine_url")
     @classmethod
