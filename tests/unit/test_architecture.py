@@ -1,0 +1,289 @@
+"""The dependency rules of HOUSE_STYLE.md section 3, checked on the source (an AST scan, nothing imported).
+
+A failure lists every offending `file:line`, so the fix is in the code, not in this test.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "gateway"
+
+LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/requestlog.py")
+OPTIONAL_LEAVES = ("gateway/supervisor/state.py",)
+SERVICES = ("gateway/auth/", "gateway/ratelimit/", "gateway/relay/", "gateway/supervisor/")
+WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.deps", "gateway.app")
+ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/supervisor/")
+# Top-level packages of the `cpu`/`gpu` extras, which the test environment need not have.
+OPTIONAL_EXTRAS = {"torch", "vllm", "flash_attn", "pynvml", "safetensors", "tokenizers", "transformers"}
+_OS_ENV_NAMES = frozenset({"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"})
+
+
+@dataclass(frozen=True)
+class Import:
+    file: str  # relative to the repository root, e.g. "gateway/relay/sse.py"
+    line: int
+    module: str  # absolute dotted name, e.g. "gateway.relay.client"
+    local: bool  # inside a function or class body (and not under `if TYPE_CHECKING:`)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: imports {self.module}"
+
+
+def _source_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _walk(node: ast.AST, local: bool) -> Iterator[tuple[ast.AST, bool]]:
+    """Every node with whether it sits in a function or class body (TYPE_CHECKING blocks are exempt)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.body:
+                yield stmt, False
+                yield from _walk(stmt, False)
+            for stmt in child.orelse:
+                yield stmt, local
+                yield from _walk(stmt, local)
+            continue
+        child_local = local or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda)
+        yield child, local
+        yield from _walk(child, child_local)
+
+
+def _resolve(path: Path, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package.pop()
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _imports(path: Path) -> Iterator[Import]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = _rel(path)
+    for node, local in _walk(tree, False):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(rel, node.lineno, alias.name, local)
+        elif isinstance(node, ast.ImportFrom):
+            module = _resolve(path, node)
+            yield Import(rel, node.lineno, module, local)
+            for alias in node.names:
+                # `from gateway import app` imports the module gateway.app.
+                candidate = f"{module}.{alias.name}"
+                as_path = ROOT.joinpath(*candidate.split("."))
+                if as_path.with_suffix(".py").is_file() or (as_path / "__init__.py").is_file():
+                    yield Import(rel, node.lineno, candidate, local)
+
+
+@functools.cache
+def _all_imports() -> tuple[Import, ...]:
+    return tuple(imp for path in _source_files() for imp in _imports(path))
+
+
+def _is_within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _in(file: str, places: tuple[str, ...]) -> bool:
+    return any(file == p or (p.endswith("/") and file.startswith(p)) for p in places)
+
+
+def _report(violations: list[str]) -> str:
+    return "\n".join(["dependency rule broken:", *violations])
+
+
+def test_the_scan_sees_the_package() -> None:
+    imports = _all_imports()
+    assert len(_source_files()) >= 15
+    # Known edges, so a broken resolver cannot make every rule pass vacuously.
+    edges = {(i.file, i.module) for i in imports}
+    assert ("gateway/app.py", "gateway.routes.openai") in edges
+    assert ("gateway/relay/sse.py", "gateway.relay.client") in edges
+    assert ("gateway/cli.py", "gateway.app") in edges
+
+
+def test_leaves_import_no_other_gateway_module() -> None:
+    leaves = (*LEAVES, *(p for p in OPTIONAL_LEAVES if (ROOT / p).is_file()))
+    for leaf in LEAVES:
+        assert (ROOT / leaf).is_file(), leaf
+    violations = [str(i) for i in _all_imports() if i.file in leaves and _is_within(i.module, ("gateway",))]
+    assert not violations, _report(violations)
+
+
+def test_services_never_import_the_web_layer() -> None:
+    violations = [str(i) for i in _all_imports() if _in(i.file, SERVICES) and _is_within(i.module, WEB_LAYER)]
+    assert not violations, _report(violations)
+
+
+def test_supervisor_never_imports_the_relay() -> None:
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if _in(i.file, ("gateway/supervisor/",)) and _is_within(i.module, ("gateway.relay",))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_nothing_but_the_cli_imports_the_app() -> None:
+    violations = [
+        str(i) for i in _all_imports() if i.file != "gateway/cli.py" and _is_within(i.module, ("gateway.app",))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_only_the_app_imports_routes() -> None:
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if i.file != "gateway/app.py"
+        and not _in(i.file, ("gateway/routes/",))  # the package's own modules
+        and _is_within(i.module, ("gateway.routes",))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_no_function_local_imports() -> None:
+    violations = [f"{i.file}:{i.line}: local import of {i.module}" for i in _all_imports() if i.local]
+    assert not violations, _report(violations)
+
+
+def test_local_import_detection() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import a\n"
+        "def f():\n    import b\n"
+        "class C:\n    from c import d\n"
+        "async def g():\n    if True:\n        import e\n"
+        "try:\n    import h\nexcept ImportError:\n    pass\n"
+    )
+    found = {
+        (node.names[0].name, local)
+        for node, local in _walk(ast.parse(source), False)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    }
+    assert found == {("TYPE_CHECKING", False), ("a", False), ("b", True), ("d", True), ("e", True), ("h", False)}
+
+
+def _environment_access(source: str, name: str) -> Iterator[str]:
+    tree = ast.parse(source, filename=name)
+    os_names = {"os"} | {
+        a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names if a.name == "os"
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            for alias in node.names:
+                if alias.name in _OS_ENV_NAMES:
+                    yield f"{name}:{node.lineno}: from os import {alias.name}"
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in _OS_ENV_NAMES
+            and isinstance(node.value, ast.Name)
+            and node.value.id in os_names
+        ):
+            yield f"{name}:{node.lineno}: os.{node.attr}"
+
+
+def test_environment_is_read_only_by_settings_and_the_supervisor() -> None:
+    violations = [
+        v
+        for path in _source_files()
+        if not _in(_rel(path), ENVIRONMENT_READERS)
+        for v in _environment_access(path.read_text(), _rel(path))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_environment_scan_catches_every_form() -> None:
+    source = "import os as o\nfrom os import getenv\nx = o.environ['A']\ny = os.getenv('B')\nz = len(environ)\n"
+    assert list(_environment_access(source, "probe.py")) == [
+        "probe.py:2: from os import getenv",
+        "probe.py:3: os.environ",
+        "probe.py:4: os.getenv",
+    ]
+
+
+_IMPORT_PROBE = """
+import importlib, json, logging, os, sys, threading
+names = json.loads(sys.argv[1])
+before = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else set()
+unavailable = {}
+for name in names:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] == "gateway":
+            raise
+        unavailable[name] = exc.name.split(".")[0]
+after = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else set()
+sockets = []
+for fd in after - before:
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            sockets.append(fd)
+    except OSError:
+        pass
+from prometheus_client import REGISTRY
+print(json.dumps({
+    "threads": [t.name for t in threading.enumerate()],
+    "sockets": sockets,
+    "root_handlers": len(logging.getLogger().handlers),
+    "default_registry": sorted(n for n in REGISTRY._names_to_collectors if n.startswith("nemotron")),
+    "unavailable": unavailable,
+}))
+"""
+
+
+def test_importing_every_module_has_no_side_effects() -> None:
+    # A fresh interpreter: the test process has already imported half the package.
+    modules = sorted(_module_name(p) for p in _source_files() if p.stem != "__main__")
+    assert "gateway.app" in modules and "gateway.relay.sse" in modules
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE, json.dumps(modules)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=25,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    found = json.loads(result.stdout)
+    assert found["threads"] == ["MainThread"]
+    assert found["sockets"] == []
+    assert found["root_handlers"] == 0
+    assert found["default_registry"] == []
+    # Modules of the optional extras (torch for the demo model) may be missing here; the core never is.
+    assert set(found["unavailable"].values()) <= OPTIONAL_EXTRAS, found["unavailable"]
+    assert not set(found["unavailable"]) & {"gateway.app", "gateway.cli", "gateway.relay.sse", "gateway.settings"}

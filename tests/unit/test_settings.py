@@ -1,0 +1,234 @@
+"""Settings from defaults, environment, env file and init kwargs; validation, masking; the CLI's flags."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr, ValidationError
+from pydantic_settings import SettingsError
+
+from gateway.cli import build_parser, load_settings, main
+from gateway.settings import DEFAULT_SYSTEM_MESSAGE, RedisSettings, RelaySettings, Settings
+
+pytestmark = pytest.mark.timeout(5)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No NEMOTRON_* variable of the machine running the tests leaks into them."""
+    for name in list(os.environ):
+        if name.upper().startswith("NEMOTRON_"):
+            monkeypatch.delenv(name)
+
+
+def write_env_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gateway.env"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    s = Settings()
+    assert (s.host, s.port) == ("127.0.0.1", 8000)
+    assert s.engine_url == "http://127.0.0.1:8001"
+    assert s.engine_api_key is None
+    assert s.redis_url.get_secret_value() == "redis://127.0.0.1:6379/0"
+    assert s.model_name is None and s.context_length is None
+    assert s.model_aliases == ()
+    assert s.default_system_message == DEFAULT_SYSTEM_MESSAGE
+    assert s.inject_system_message is True
+    assert s.max_n == 8
+    assert s.log_level == "info"
+    assert s.relay == RelaySettings()
+    assert s.relay.chunk_timeout == 120.0 and s.relay.heartbeat_interval == 15.0
+    assert s.redis == RedisSettings()
+
+
+def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEMOTRON_ENGINE_URL", "http://10.0.0.5:9000")
+    monkeypatch.setenv("NEMOTRON_PORT", "9100")
+    monkeypatch.setenv("NEMOTRON_RELAY__CHUNK_TIMEOUT", "42.5")
+    monkeypatch.setenv("NEMOTRON_MODEL_ALIASES", '["a","b"]')
+    monkeypatch.setenv("NEMOTRON_ENGINE_API_KEY", "engine-token")
+    s = Settings()
+    assert s.engine_url == "http://10.0.0.5:9000"
+    assert s.port == 9100
+    assert s.relay.chunk_timeout == 42.5
+    assert s.relay.heartbeat_interval == RelaySettings().heartbeat_interval  # the rest of the group stays default
+    assert s.model_aliases == ("a", "b")
+    assert s.engine_api_key is not None and s.engine_api_key.get_secret_value() == "engine-token"
+
+
+def test_env_file(tmp_path: Path) -> None:
+    path = write_env_file(
+        tmp_path,
+        "NEMOTRON_PORT=9200\nNEMOTRON_MODEL_NAME=nemotron-nano\nNEMOTRON_RELAY__HEARTBEAT_INTERVAL=3\n",
+    )
+    s = Settings(_env_file=path)
+    assert s.port == 9200
+    assert s.model_name == "nemotron-nano"
+    assert s.relay.heartbeat_interval == 3.0
+
+
+def test_precedence_init_over_env_over_env_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_env_file(tmp_path, "NEMOTRON_PORT=9200\nNEMOTRON_HOST=0.0.0.0\nNEMOTRON_MAX_N=3\n")
+    monkeypatch.setenv("NEMOTRON_PORT", "9300")
+    monkeypatch.setenv("NEMOTRON_HOST", "10.1.1.1")
+    s = Settings(_env_file=path, port=9400)
+    assert s.port == 9400  # init kwarg beats env and file
+    assert s.host == "10.1.1.1"  # env beats file
+    assert s.max_n == 3  # file beats default
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "loc"),
+    [
+        ("NEMOTRON_PORT", "0", "port"),
+        ("NEMOTRON_PORT", "65536", "port"),
+        ("NEMOTRON_PORT", "eighty", "port"),
+        ("NEMOTRON_ENGINE_URL", "127.0.0.1:8001", "engine_url"),
+        ("NEMOTRON_ENGINE_URL", "ftp://127.0.0.1:8001", "engine_url"),
+        ("NEMOTRON_RELAY__CHUNK_TIMEOUT", "0", "relay.chunk_timeout"),
+        ("NEMOTRON_MAX_N", "0", "max_n"),
+        ("NEMOTRON_LOG_LEVEL", "verbose", "log_level"),
+        ("NEMOTRON_RELAY__CHUNK_TIMOUT", "5", "relay.chunk_timout"),
+    ],
+)
+def test_invalid_environment_fails_at_startup(monkeypatch: pytest.MonkeyPatch, env: str, value: str, loc: str) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValidationError) as caught:
+        Settings()
+    assert loc in {".".join(str(p) for p in e["loc"]) for e in caught.value.errors()}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "loc"),
+    [
+        ({"port": 0}, "port"),
+        ({"engine_url": "localhost:8001"}, "engine_url"),
+        ({"portt": 8000}, "portt"),
+        ({"relay": {"chunk_timeout": -1}}, "relay.chunk_timeout"),
+        ({"relay": {"typo": 1}}, "relay.typo"),
+    ],
+)
+def test_invalid_init_values(kwargs: dict[str, object], loc: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        Settings(**kwargs)  # type: ignore[arg-type]  # deliberately wrong values
+    assert loc in {".".join(str(p) for p in e["loc"]) for e in caught.value.errors()}
+
+
+def test_model_aliases_must_be_a_json_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEMOTRON_MODEL_ALIASES", "a,b")
+    with pytest.raises(SettingsError, match="model_aliases"):
+        Settings()
+
+
+def test_unknown_setting_in_env_file_is_rejected(tmp_path: Path) -> None:
+    # extra="forbid": a misspelt key in the env file fails at startup instead of being ignored.
+    path = write_env_file(tmp_path, "NEMOTRON_PORTT=9000\n")
+    with pytest.raises(ValidationError, match=r"(?i)nemotron_portt"):
+        Settings(_env_file=path)
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        ("http://127.0.0.1:8001/", "http://127.0.0.1:8001"),
+        ("https://engine.internal///", "https://engine.internal"),
+        ("http://127.0.0.1:8001", "http://127.0.0.1:8001"),
+    ],
+)
+def test_engine_url_trailing_slash_is_stripped(given: str, stored: str) -> None:
+    assert Settings(engine_url=given).engine_url == stored
+
+
+def test_masked_never_shows_secrets() -> None:
+    s = Settings(
+        redis_url=SecretStr("redis://:s3cret@host:6379/0"),
+        engine_api_key=SecretStr("engine-k3y"),
+        auth={"secret": "hmac-pepper"},
+    )
+    masked = s.masked()
+    text = json.dumps(masked)
+    for secret in ("s3cret", "engine-k3y", "hmac-pepper"):
+        assert secret not in text
+    # Still a useful log line: the rest is there.
+    assert masked["engine_url"] == "http://127.0.0.1:8001"
+    assert masked["relay"]["chunk_timeout"] == 120.0
+    assert "redis_url" in masked and "engine_api_key" in masked
+
+
+def test_secrets_do_not_leak_through_repr() -> None:
+    s = Settings(redis_url=SecretStr("redis://:s3cret@host:6379/0"), engine_api_key=SecretStr("engine-k3y"))
+    assert "s3cret" not in repr(s) and "engine-k3y" not in repr(s)
+    assert "s3cret" not in str(s)
+
+
+def test_settings_are_frozen() -> None:
+    s = Settings()
+    with pytest.raises(ValidationError):
+        s.port = 9000  # type: ignore[misc]  # frozen model
+    with pytest.raises(ValidationError):
+        s.relay.chunk_timeout = 1.0  # type: ignore[misc]  # frozen group
+    assert s.port == 8000 and s.relay.chunk_timeout == 120.0
+
+
+def test_cli_parses_serve_flags() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--host", "0.0.0.0", "--port", "9001", "--engine-url", "http://e:1", "--redis-url", "redis://r:1/2"]
+    )
+    assert args.verb == "serve"
+    assert (args.host, args.port, args.engine_url, args.redis_url) == ("0.0.0.0", 9001, "http://e:1", "redis://r:1/2")
+
+
+def test_cli_flags_beat_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEMOTRON_HOST", "10.0.0.1")
+    monkeypatch.setenv("NEMOTRON_PORT", "9500")
+    monkeypatch.setenv("NEMOTRON_ENGINE_URL", "http://from-env:1")
+    monkeypatch.setenv("NEMOTRON_REDIS_URL", "redis://from-env:6379/0")
+    monkeypatch.setenv("NEMOTRON_MAX_N", "2")
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9001",
+            "--engine-url",
+            "http://flag:1/",
+            "--redis-url",
+            "redis://flag/3",
+        ]
+    )
+    s = load_settings(args)
+    assert (s.host, s.port, s.engine_url) == ("0.0.0.0", 9001, "http://flag:1")
+    assert s.redis_url.get_secret_value() == "redis://flag/3"
+    assert s.max_n == 2  # no flag: the environment still applies
+
+
+def test_cli_without_flags_uses_environment_and_env_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEMOTRON_PORT", "9600")
+    path = write_env_file(tmp_path, "NEMOTRON_ENGINE_URL=http://from-file:2\nNEMOTRON_PORT=1\n")
+    s = load_settings(build_parser().parse_args(["serve", "--env-file", str(path)]))
+    assert s.port == 9600
+    assert s.engine_url == "http://from-file:2"
+
+
+def test_cli_invalid_flag_value_is_a_validation_error() -> None:
+    with pytest.raises(ValidationError, match="engine_url"):
+        load_settings(build_parser().parse_args(["serve", "--engine-url", "no-scheme:1"]))
+
+
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [("NEMOTRON_PORT", "0"), ("NEMOTRON_ENGINE_URL", "no-scheme:1"), ("NEMOTRON_MODEL_ALIASES", "a,b")],
+)
+def test_cli_reports_invalid_configuration_and_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: str, value: str
+) -> None:
+    monkeypatch.setenv(env, value)
+    assert main(["serve"]) == 2
+    assert "invalid configuration" in capsys.readouterr().err

@@ -1,0 +1,356 @@
+"""SSERelay and run_until_disconnect driven as raw ASGI against a fake engine response (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any, cast
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.metrics import GatewayMetrics
+from gateway.relay.client import UpstreamResponse
+from gateway.relay.sse import KEEP_ALIVE, ClientDisconnectedError, Message, SSERelay, run_until_disconnect
+from gateway.requestlog import RequestRecord
+from gateway.settings import RelaySettings
+
+pytestmark = pytest.mark.timeout(5)
+
+USAGE = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+
+
+def event(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
+    return f"data: {data}\n\n".encode()
+
+
+def delta(text: str, **extra: Any) -> bytes:
+    return event(
+        {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}], **extra}
+    )
+
+
+USAGE_EVENT = event({"id": "c1", "object": "chat.completion.chunk", "choices": [], "usage": USAGE})
+DONE = b"data: [DONE]\n\n"
+
+
+class FakeContent:
+    """Stands in for aiohttp's StreamReader: `readany()` hands out queued chunks (b"" is EOF)."""
+
+    def __init__(self, items: Iterable[bytes | BaseException] = (), on_read: Any = None) -> None:
+        self.queue: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+        for item in items:
+            self.queue.put_nowait(item)
+        self.on_read = on_read
+
+    def feed(self, item: bytes | BaseException) -> None:
+        self.queue.put_nowait(item)
+
+    async def readany(self) -> bytes:
+        if self.on_read is not None:
+            self.on_read()
+        # Queue.get is cancellation-safe, like StreamReader.readany under the relay's timeouts.
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class FakeUpstream:
+    def __init__(self, content: FakeContent, status: int = 200) -> None:
+        self.status = status
+        self.content = content
+        self.close_calls = 0
+
+    def close(self) -> None:
+        self.close_calls += 1
+
+
+class Client:
+    """The ASGI side: a receive that only answers once `disconnect` is set, a send that collects."""
+
+    def __init__(self) -> None:
+        self.disconnect = asyncio.Event()
+        self.messages: list[Message] = []
+        self.sent = asyncio.Event()
+
+    async def receive(self) -> Message:
+        await self.disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        self.messages.append(message)
+        self.sent.set()
+
+    @property
+    def bodies(self) -> list[Message]:
+        return [m for m in self.messages if m["type"] == "http.response.body"]
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m["body"] for m in self.bodies)
+
+
+class Harness:
+    def __init__(self, items: Iterable[bytes | BaseException] = (), *, strip_usage: bool = True, **relay: Any) -> None:
+        self.client = Client()
+        self.content = FakeContent(items)
+        self.upstream = FakeUpstream(self.content)
+        self.record = RequestRecord(request_id="req-1", started_at=0.0)
+        self.metrics = GatewayMetrics()
+        settings = RelaySettings(**{"heartbeat_interval": 5.0, "chunk_timeout": 5.0, **relay})
+        self.relay = SSERelay(
+            cast(UpstreamResponse, self.upstream), self.record, settings, self.metrics, strip_usage=strip_usage
+        )
+
+    async def run(self) -> None:
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions"}
+        await self.relay(scope, self.client.receive, self.client.send)
+
+    def sample(self, name: str, labels: dict[str, str]) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels)
+
+
+def error_of(message: Message) -> dict[str, Any]:
+    body: bytes = message["body"]
+    assert body.startswith(b"data: ") and body.endswith(b"\n\n"), body
+    envelope = orjson.loads(body[len(b"data: ") :])
+    assert set(envelope) == {"error"}
+    assert set(envelope["error"]) == {"message", "type", "param", "code"}
+    error: dict[str, Any] = envelope["error"]
+    return error
+
+
+async def test_normal_stream_is_relayed_byte_for_byte_and_in_order() -> None:
+    chunks = [b": engine comment\n\n", delta("Hel"), delta("lo") + delta(" wor"), delta("ld"), DONE, b""]
+    h = Harness(chunks, strip_usage=False)
+    await h.run()
+    start = h.client.messages[0]
+    assert start["type"] == "http.response.start"
+    assert start["status"] == 200
+    headers = dict(start["headers"])
+    assert headers[b"content-type"].startswith(b"text/event-stream")
+    assert headers[b"x-accel-buffering"] == b"no"
+    assert h.client.body == b"".join(chunks)
+    assert [m["more_body"] for m in h.client.bodies] == [True] * 5 + [False]
+    assert h.upstream.close_calls == 1
+    assert h.record.engine_error is None
+
+
+async def test_each_whole_line_chunk_is_sent_before_the_next_read() -> None:
+    chunks = [delta("a"), delta("b"), delta("c"), DONE]
+    sent_at_read: list[int] = []
+    h = Harness([*chunks, b""])
+    h.content.on_read = lambda: sent_at_read.append(len(h.client.bodies))
+    await h.run()
+    # Read i happens after exactly i body messages: nothing is held back waiting for more data.
+    assert sent_at_read == [0, 1, 2, 3, 4]
+    assert [m["body"] for m in h.client.bodies[:4]] == chunks
+
+
+@pytest.mark.parametrize("strip_usage", [True, False])
+async def test_usage_only_chunk_is_stripped_only_when_asked_and_always_recorded(strip_usage: bool) -> None:
+    stream = [delta("hi"), delta("!", usage=None), USAGE_EVENT, DONE]
+    h = Harness([*stream, b""], strip_usage=strip_usage)
+    await h.run()
+    expected = b"".join(stream) if not strip_usage else b"".join(c for c in stream if c is not USAGE_EVENT)
+    assert h.client.body == expected
+    assert (h.record.prompt_tokens, h.record.completion_tokens) == (11, 3)
+
+
+async def test_usage_event_in_the_same_read_as_others_is_cut_out_exactly() -> None:
+    h = Harness([delta("hi") + USAGE_EVENT + DONE, b""], strip_usage=True)
+    await h.run()
+    assert h.client.body == delta("hi") + DONE
+    assert h.record.completion_tokens == 3
+
+
+async def test_usage_line_split_across_reads_is_held_back_then_handled_whole() -> None:
+    cut = USAGE_EVENT.index(b"prompt_tokens") + 4
+    first, second = delta("x") + USAGE_EVENT[:cut], USAGE_EVENT[cut:] + DONE
+    sent_at_read: list[bytes] = []
+    h = Harness([first, second, b""], strip_usage=True)
+    h.content.on_read = lambda: sent_at_read.append(h.client.body)
+    await h.run()
+    # After the first read only the complete event went out; the partial usage line waited.
+    assert sent_at_read[1] == delta("x")
+    assert h.client.body == delta("x") + DONE
+    assert (h.record.prompt_tokens, h.record.completion_tokens) == (11, 3)
+
+
+async def test_usage_split_kept_for_a_client_that_asked_for_it() -> None:
+    cut = len(USAGE_EVENT) // 2
+    h = Harness([USAGE_EVENT[:cut], USAGE_EVENT[cut:], DONE, b""], strip_usage=False)
+    await h.run()
+    assert h.client.body == USAGE_EVENT + DONE
+    assert h.record.total_tokens == 14
+
+
+async def test_usage_only_event_is_stripped_when_earlier_events_in_the_read_carry_usage() -> None:
+    # With stream_options.continuous_usage_stats every chunk carries usage; the engine's last content
+    # chunk and its usage-only chunk often arrive in one read.
+    running = {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13}
+    last = delta("!", usage=running)
+    h = Harness([last + USAGE_EVENT + DONE, b""], strip_usage=True)
+    await h.run()
+    assert h.client.body == last + DONE
+    assert h.record.completion_tokens == 3
+
+
+async def test_stream_without_done_ends_with_one_error_event() -> None:
+    h = Harness([delta("partial"), b""])
+    await h.run()
+    bodies = h.client.bodies
+    assert bodies[0]["body"] == delta("partial")
+    assert len(bodies) == 2
+    assert bodies[-1]["more_body"] is False
+    error = error_of(bodies[-1])
+    assert error["code"] == "engine_unavailable"
+    assert "incomplete" in error["message"]
+    assert h.record.engine_error == "stream_broken"
+    assert h.sample("nemotron_gateway_engine_errors_total", {"kind": "stream_broken"}) == 1.0
+
+
+async def test_payload_error_mid_stream_ends_with_error_event_and_closes_upstream() -> None:
+    h = Harness([delta("a"), aiohttp.ClientPayloadError("connection reset")])
+    await h.run()
+    bodies = h.client.bodies
+    assert [m["body"] for m in bodies[:-1]] == [delta("a")]
+    assert bodies[-1]["more_body"] is False
+    error = error_of(bodies[-1])
+    assert error["code"] == "engine_unavailable"
+    assert error["type"] == "service_unavailable"
+    assert h.upstream.close_calls == 1
+    assert h.record.engine_error == "stream_broken"
+
+
+async def test_heartbeat_fills_silence_before_the_first_data() -> None:
+    h = Harness(heartbeat_interval=0.05, chunk_timeout=0.5)
+
+    async def engine() -> None:
+        await asyncio.sleep(0.2)
+        h.content.feed(delta("late") + DONE)
+        h.content.feed(b"")
+
+    feeder = asyncio.create_task(engine())
+    await h.run()
+    await feeder
+    bodies = [m["body"] for m in h.client.bodies]
+    first_data = bodies.index(delta("late") + DONE)
+    assert first_data >= 1
+    assert set(bodies[:first_data]) == {KEEP_ALIVE}
+    assert KEEP_ALIVE == b": keep-alive\n\n"
+    assert h.client.bodies[-1]["more_body"] is False
+    assert h.record.engine_error is None
+
+
+async def test_silent_engine_is_cut_at_chunk_timeout_with_engine_timeout_event() -> None:
+    h = Harness([delta("a")], heartbeat_interval=0.05, chunk_timeout=0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await h.run()
+    elapsed = loop.time() - started
+    assert 0.15 <= elapsed < 1.0
+    bodies = h.client.bodies
+    assert bodies[0]["body"] == delta("a")
+    assert KEEP_ALIVE in [m["body"] for m in bodies[1:-1]]
+    assert bodies[-1]["more_body"] is False
+    error = error_of(bodies[-1])
+    assert error["code"] == "engine_timeout"
+    assert error["type"] == "service_unavailable"
+    assert h.record.engine_error == "timeout"
+    assert h.upstream.close_calls == 1
+    assert h.sample("nemotron_gateway_engine_errors_total", {"kind": "timeout"}) == 1.0
+
+
+async def test_client_disconnect_closes_upstream_and_is_recorded() -> None:
+    h = Harness([delta("a")])
+    task = asyncio.create_task(h.run())
+    await h.client.sent.wait()  # the start message
+    h.client.sent.clear()
+    await h.client.sent.wait()  # the first body
+    assert [m["body"] for m in h.client.bodies] == [delta("a")]
+    assert h.upstream.close_calls == 0
+    h.client.disconnect.set()
+    await asyncio.wait_for(task, 1.0)
+    assert h.upstream.close_calls == 1
+    assert h.record.client_disconnected is True
+    assert h.sample("nemotron_gateway_client_disconnects_total", {"mode": "stream"}) == 1.0
+    # Nothing is written to a client that has gone.
+    assert [m["body"] for m in h.client.bodies] == [delta("a")]
+
+
+async def test_run_until_disconnect_returns_the_work_result() -> None:
+    client = Client()
+
+    async def work() -> str:
+        await asyncio.sleep(0)
+        return "answer"
+
+    assert await run_until_disconnect(client.receive, work()) == "answer"
+
+
+async def test_run_until_disconnect_propagates_the_work_error() -> None:
+    client = Client()
+
+    async def work() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        await run_until_disconnect(client.receive, work())
+
+
+async def test_run_until_disconnect_cancels_work_when_the_client_leaves() -> None:
+    client = Client()
+    cancelled = asyncio.Event()
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "too late"
+
+    asyncio.get_running_loop().call_later(0.01, client.disconnect.set)
+    with pytest.raises(ClientDisconnectedError):
+        await run_until_disconnect(client.receive, work())
+    assert cancelled.is_set()
+
+
+async def test_run_until_disconnect_ignores_other_messages_until_disconnect() -> None:
+    queue: asyncio.Queue[Message] = asyncio.Queue()
+    queue.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+    done = asyncio.Event()
+
+    async def work() -> int:
+        await done.wait()
+        return 7
+
+    task = asyncio.create_task(run_until_disconnect(queue.get, work()))
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    done.set()
+    assert await task == 7
+
+
+async def test_run_until_disconnect_propagates_outer_cancellation_and_cancels_work() -> None:
+    client = Client()
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    outer = asyncio.create_task(run_until_disconnect(client.receive, work()))
+    await started.wait()
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    await asyncio.wait_for(cancelled.wait(), 1.0)

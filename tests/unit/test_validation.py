@@ -1,0 +1,463 @@
+"""prepare_chat / prepare_completion: every pitfall is a 400 that names the field and what to send instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.schemas import ModelInfo
+from gateway.settings import DEFAULT_SYSTEM_MESSAGE, Settings
+from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion
+
+pytestmark = pytest.mark.timeout(5)
+
+MODEL = "nemotron-test"
+INFO = ModelInfo(MODEL, 4096)
+SETTINGS = Settings(model_aliases=("nemotron", "gpt-3.5-turbo"), max_n=4)
+USER = {"role": "user", "content": "Hello"}
+SYSTEM = {"role": "system", "content": "Answer in French."}
+
+
+def chat_body(**fields: Any) -> bytes:
+    return orjson.dumps({"model": MODEL, "messages": [USER], **fields})
+
+
+def completion_body(**fields: Any) -> bytes:
+    return orjson.dumps({"model": MODEL, "prompt": "Once upon a time", **fields})
+
+
+def chat(body: bytes, settings: Settings = SETTINGS) -> tuple[PreparedRequest, dict[str, Any]]:
+    prepared = prepare_chat(body, settings, INFO)
+    return prepared, orjson.loads(prepared.body)
+
+
+def completion(body: bytes, settings: Settings = SETTINGS) -> tuple[PreparedRequest, dict[str, Any]]:
+    prepared = prepare_completion(body, settings, INFO)
+    return prepared, orjson.loads(prepared.body)
+
+
+def rejected(body: bytes, *, completions: bool = False) -> InvalidRequestError:
+    prepare = prepare_completion if completions else prepare_chat
+    with pytest.raises(InvalidRequestError) as caught:
+        prepare(body, SETTINGS, INFO)
+    error = caught.value
+    assert error.status_code == 400
+    assert error.type == "invalid_request_error"
+    return error
+
+
+# --- the body itself -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "phrase"),
+    [
+        (b'{"model": "nemotron-test", "messages": [', "not valid JSON"),
+        (b"{'model': 'nemotron-test'}", "not valid JSON"),
+        (b"", "empty"),
+        (b"  \r\n\t", "empty"),
+        (b'[{"role": "user", "content": "hi"}]', "must be a JSON object"),
+        (b'"hello"', "must be a JSON object"),
+        (b"42", "must be a JSON object"),
+        (b"null", "must be a JSON object"),
+    ],
+    ids=["truncated", "single-quotes", "empty", "whitespace", "list", "string", "number", "null"],
+)
+@pytest.mark.parametrize("completions", [False, True], ids=["chat", "completions"])
+def test_body_must_be_a_json_object(body: bytes, phrase: str, completions: bool) -> None:
+    error = rejected(body, completions=completions)
+    assert phrase in error.message
+    assert "send a JSON object" in error.message or 'send {"model"' in error.message
+    assert error.param is None
+
+
+# --- required fields -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "param"),
+    [
+        ({"messages": [USER]}, "model"),
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": [{"content": "no role"}]}, "messages[0].role"),
+    ],
+)
+def test_missing_required_field(data: dict[str, Any], param: str) -> None:
+    error = rejected(orjson.dumps(data))
+    assert error.param == param
+    assert error.message == f"Missing required parameter '{param}'."
+
+
+def test_missing_prompt() -> None:
+    error = rejected(orjson.dumps({"model": MODEL}), completions=True)
+    assert error.param == "prompt"
+    assert "Missing required parameter 'prompt'" in error.message
+
+
+def test_empty_messages() -> None:
+    error = rejected(chat_body(messages=[]))
+    assert error.param == "messages"
+    assert "send at least one message" in error.message
+
+
+def test_model_must_be_a_string() -> None:
+    error = rejected(chat_body(model=5))
+    assert error.param == "model"
+    assert "send a string" in error.message
+
+
+# --- roles and content -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["User", "developer", 5, "SYSTEM", ""], ids=repr)
+def test_invalid_role_names_the_message_and_lists_valid_roles(role: Any) -> None:
+    error = rejected(chat_body(messages=[SYSTEM, {"role": role, "content": "hi"}]))
+    assert error.param == "messages[1].role"
+    assert f"Invalid role {role!r}" in error.message
+    assert "'system', 'user', 'assistant', 'tool'" in error.message
+    assert "lowercase" in error.message
+
+
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+@pytest.mark.parametrize("content", [5, 1.5, True, {"text": "hi"}], ids=["int", "float", "bool", "dict"])
+def test_content_must_be_a_string_or_parts(role: str, content: Any) -> None:
+    message: dict[str, Any] = {"role": role, "content": content}
+    if role == "tool":
+        message["tool_call_id"] = "call_1"
+    error = rejected(chat_body(messages=[USER, message]))
+    assert error.param == "messages[1].content"
+    assert "content must be a string or a list of content parts" in error.message
+    assert "{'type': 'text', 'text': '...'}" in error.message
+
+
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+def test_content_is_required_except_for_assistant_tool_calls(role: str) -> None:
+    error = rejected(chat_body(messages=[{"role": role}]))
+    assert error.param is not None and error.param.startswith("messages[0]")
+    assert "content is required" in error.message
+
+
+def test_assistant_with_tool_calls_and_no_content_is_accepted() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        USER,
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    _, out = chat(chat_body(messages=messages))
+    assert out["messages"][1:] == messages
+
+
+def test_assistant_without_content_or_tool_calls_is_rejected() -> None:
+    error = rejected(chat_body(messages=[USER, {"role": "assistant"}]))
+    assert error.param is not None and error.param.startswith("messages[1]")
+    assert "content is required" in error.message
+
+
+def test_content_as_list_of_text_parts_is_accepted() -> None:
+    parts = [{"type": "text", "text": "Describe "}, {"type": "text", "text": "this."}]
+    prepared, out = chat(chat_body(messages=[{"role": "user", "content": parts}]))
+    assert out["messages"][-1]["content"] == parts
+    # The parts' text counts towards the prompt estimate like a plain string would.
+    plain, _ = chat(chat_body(messages=[{"role": "user", "content": "Describe this."}]))
+    assert prepared.prompt_tokens_estimate == plain.prompt_tokens_estimate
+
+
+@pytest.mark.parametrize(
+    "part",
+    [{"type": "text"}, {"type": "text", "text": 5}, {"type": "text", "text": None}],
+    ids=["no-text", "text-number", "text-null"],
+)
+def test_text_part_without_string_text_is_rejected(part: dict[str, Any]) -> None:
+    error = rejected(chat_body(messages=[{"role": "user", "content": [part]}]))
+    # The part is at fault, not "content is not a string": point at the part and say what it lacks.
+    assert error.param is not None and error.param.startswith("messages[0].content[0]"), error.param
+    assert "'text'" in error.message, error.message
+
+
+# --- sampling fields -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "phrase"),
+    [
+        ("max_tokens", 0, "greater than or equal to 1"),
+        ("max_tokens", -1, "greater than or equal to 1"),
+        ("max_tokens", "10", "send a whole number"),
+        ("max_tokens", 1.5, "send a whole number"),
+        ("max_tokens", True, "send a whole number"),
+        ("max_completion_tokens", 0, "greater than or equal to 1"),
+        ("max_completion_tokens", "10", "send a whole number"),
+        ("n", 0, "greater than or equal to 1"),
+        ("n", "2", "send a whole number"),
+        ("temperature", "hot", "send a number"),
+        ("temperature", 3, "less than or equal to 2"),
+        ("temperature", -0.1, "greater than or equal to 0"),
+        ("top_p", 1.5, "less than or equal to 1"),
+        ("stream", "yes", "send true or false"),
+        ("stream", 1, "send true or false"),
+        ("stop", 5, "stop must be a string or a list of strings"),
+        ("stop", [1], "stop must be a string or a list of strings"),
+        ("stop", ["ok", None], "stop must be a string or a list of strings"),
+    ],
+)
+def test_bad_sampling_field(field: str, value: Any, phrase: str) -> None:
+    error = rejected(chat_body(**{field: value}))
+    assert error.param == field
+    assert phrase in error.message
+    assert error.message.startswith(f"Invalid value for '{field}'")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "phrase"),
+    [
+        ("max_tokens", "10", "send a whole number"),
+        ("stream", "yes", "send true or false"),
+        ("stop", 5, "list of strings"),
+    ],
+)
+def test_bad_sampling_field_on_completions(field: str, value: Any, phrase: str) -> None:
+    error = rejected(completion_body(**{field: value}), completions=True)
+    assert error.param == field
+    assert phrase in error.message
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_completion_budget_beyond_context_length(field: str) -> None:
+    error = rejected(chat_body(**{field: 4097}))
+    assert error.param == field
+    assert "4097" in error.message and "context length of 4096" in error.message
+    assert "send at most 4096" in error.message
+
+
+def test_max_tokens_beyond_context_length_on_completions() -> None:
+    error = rejected(completion_body(max_tokens=10_000), completions=True)
+    assert error.param == "max_tokens"
+    assert "send at most 4096" in error.message
+
+
+def test_max_tokens_equal_to_context_length_is_accepted() -> None:
+    prepared, _ = chat(chat_body(max_tokens=4096))
+    assert prepared.max_tokens == 4096
+
+
+def test_unknown_context_length_does_not_bound_max_tokens() -> None:
+    prepared = prepare_chat(chat_body(max_tokens=1_000_000), SETTINGS, ModelInfo(MODEL, None))
+    assert prepared.max_tokens == 1_000_000
+
+
+def test_n_above_the_gateway_limit() -> None:
+    error = rejected(chat_body(n=5))
+    assert error.param == "n"
+    assert "at most 4" in error.message
+    assert chat(chat_body(n=4))[1]["n"] == 4
+
+
+@pytest.mark.parametrize("stream", [False, "absent"])
+def test_stream_options_without_stream(stream: Any) -> None:
+    fields: dict[str, Any] = {"stream_options": {"include_usage": True}}
+    if stream != "absent":
+        fields["stream"] = stream
+    error = rejected(chat_body(**fields))
+    assert error.param == "stream_options"
+    assert '"stream": true' in error.message
+
+
+def test_stream_null_means_not_streaming() -> None:
+    # OpenAI documents `stream` as "boolean or null" and vLLM accepts null; SDKs and proxies send it.
+    prepared, _ = chat(chat_body(stream=None))
+    assert prepared.stream is False
+
+
+def test_stream_options_fields_are_typed() -> None:
+    error = rejected(chat_body(stream=True, stream_options={"include_usage": "yes"}))
+    assert error.param == "stream_options.include_usage"
+    assert "send true or false" in error.message
+
+
+# --- the model -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prepare", [prepare_chat, prepare_completion], ids=["chat", "completions"])
+def test_unknown_model_is_404_naming_the_served_model(prepare: Any) -> None:
+    body = chat_body(model="gpt-4") if prepare is prepare_chat else completion_body(model="gpt-4")
+    with pytest.raises(NotFoundError) as caught:
+        prepare(body, SETTINGS, INFO)
+    error = caught.value
+    assert (error.status_code, error.param, error.code) == (404, "model", "model_not_found")
+    assert "'gpt-4'" in error.message
+    assert f"'{MODEL}'" in error.message and "'nemotron'" in error.message
+
+
+@pytest.mark.parametrize("alias", ["nemotron", "gpt-3.5-turbo"])
+def test_alias_is_rewritten_to_the_served_name(alias: str) -> None:
+    prepared, out = chat(chat_body(model=alias))
+    assert prepared.model == MODEL
+    assert out["model"] == MODEL
+    cprepared, cout = completion(completion_body(model=alias))
+    assert cprepared.model == MODEL and cout["model"] == MODEL
+
+
+def test_served_name_is_kept() -> None:
+    prepared, out = chat(chat_body())
+    assert prepared.model == out["model"] == MODEL
+
+
+def test_model_name_is_case_sensitive() -> None:
+    with pytest.raises(NotFoundError):
+        prepare_chat(chat_body(model=MODEL.upper()), SETTINGS, INFO)
+
+
+# --- pass-through and policy -----------------------------------------------------------------------
+
+
+def test_unknown_fields_pass_through_untouched() -> None:
+    extra = {
+        "top_k": 40,
+        "repetition_penalty": 1.05,
+        "chat_template_kwargs": {"enable_thinking": False, "nested": [1, {"a": None}]},
+        "guided_json": {"type": "object"},
+        "temperature": 0.7,
+    }
+    _, out = chat(chat_body(**extra))
+    for key, value in extra.items():
+        assert out[key] == value
+    _, cout = completion(completion_body(**extra))
+    for key, value in extra.items():
+        assert cout[key] == value
+
+
+def test_default_system_message_injected_first_when_absent() -> None:
+    messages = [USER, {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "More"}]
+    _, out = chat(chat_body(messages=messages))
+    assert out["messages"] == [{"role": "system", "content": DEFAULT_SYSTEM_MESSAGE}, *messages]
+
+
+def test_configured_system_message_is_the_one_injected() -> None:
+    settings = Settings(default_system_message="detailed thinking off")
+    _, out = chat(chat_body(), settings)
+    assert out["messages"][0] == {"role": "system", "content": "detailed thinking off"}
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_no_system_message_injected_when_one_is_present(position: int) -> None:
+    messages = [USER, {"role": "assistant", "content": "Hi!"}]
+    messages.insert(position, SYSTEM)
+    _, out = chat(chat_body(messages=messages))
+    assert out["messages"] == messages
+
+
+def test_no_system_message_injected_when_disabled() -> None:
+    _, out = chat(chat_body(), Settings(inject_system_message=False))
+    assert out["messages"] == [USER]
+
+
+def test_non_stream_request_is_left_without_stream_options() -> None:
+    prepared, out = chat(chat_body())
+    assert prepared.stream is False and prepared.client_wants_usage is False
+    assert "stream_options" not in out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [None, {}, {"include_usage": False}, {"include_usage": None}],
+    ids=["absent", "empty", "false", "null"],
+)
+@pytest.mark.parametrize("prepare", [chat, completion], ids=["chat", "completions"])
+def test_stream_forces_usage_for_accounting(options: dict[str, Any] | None, prepare: Any) -> None:
+    fields: dict[str, Any] = {"stream": True}
+    if options is not None:
+        fields["stream_options"] = options
+    body = chat_body(**fields) if prepare is chat else completion_body(**fields)
+    prepared, out = prepare(body)
+    assert prepared.stream is True
+    assert prepared.client_wants_usage is False
+    assert out["stream_options"]["include_usage"] is True
+
+
+def test_stream_usage_kept_when_the_client_asked() -> None:
+    prepared, out = chat(chat_body(stream=True, stream_options={"include_usage": True}))
+    assert prepared.client_wants_usage is True
+    assert out["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_other_stream_options_are_preserved(include_usage: bool) -> None:
+    options = {"include_usage": include_usage, "continuous_usage_stats": True, "vendor_flag": "x"}
+    prepared, out = chat(chat_body(stream=True, stream_options=options))
+    assert prepared.client_wants_usage is include_usage
+    assert out["stream_options"] == {**options, "include_usage": True}
+
+
+# --- completions -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "estimate"),
+    [
+        ("abcdefgh", 8 // 4 + 1),
+        (["abcd", "efghijkl"], 12 // 4 + 1),
+        ([101, 102, 103], 3),
+        ([[101, 102], [103, 104, 105]], 5),
+    ],
+    ids=["str", "list-str", "token-ids", "batch-token-ids"],
+)
+def test_prompt_forms_are_accepted_and_estimated(prompt: Any, estimate: int) -> None:
+    prepared, out = completion(completion_body(prompt=prompt, max_tokens=100))
+    assert out["prompt"] == prompt
+    assert prepared.prompt_tokens_estimate == estimate
+    assert prepared.tokens_estimate == estimate + 100
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["", [], [1, "a"], {}, [""], [[]], [True, 1], [1.5], None, 5],
+    ids=[
+        "empty-str",
+        "empty-list",
+        "mixed",
+        "object",
+        "list-empty-str",
+        "empty-batch",
+        "bools",
+        "floats",
+        "null",
+        "int",
+    ],
+)
+def test_bad_prompt_forms_are_rejected(prompt: Any) -> None:
+    error = rejected(completion_body(prompt=prompt), completions=True)
+    assert error.param == "prompt"
+    assert "prompt must be a non-empty string, a list of non-empty strings, a list of token ids" in error.message
+
+
+def test_chat_tokens_estimate_is_prompt_estimate_plus_max_tokens() -> None:
+    with_budget, _ = chat(chat_body(max_tokens=300))
+    assert with_budget.max_tokens == 300
+    assert with_budget.tokens_estimate == with_budget.prompt_tokens_estimate + 300
+    longer, _ = chat(chat_body(messages=[{"role": "user", "content": "x" * 4000}], max_tokens=300))
+    assert longer.prompt_tokens_estimate >= 1000
+    assert longer.tokens_estimate == longer.prompt_tokens_estimate + 300
+
+
+def test_max_completion_tokens_is_the_budget_when_given() -> None:
+    prepared, _ = chat(chat_body(max_completion_tokens=50, max_tokens=10))
+    assert prepared.max_tokens == 50
+    assert prepared.tokens_estimate == prepared.prompt_tokens_estimate + 50
+
+
+def test_tokens_estimate_without_max_tokens_still_charges_a_completion() -> None:
+    prepared, _ = completion(completion_body(prompt=[1, 2, 3]))
+    assert prepared.max_tokens is None
+    assert prepared.tokens_estimate > prepared.prompt_tokens_estimate
+
+
+@pytest.mark.parametrize(
+    ("loc", "path"),
+    [(("model",), "model"), (("messages", 1, "role"), "messages[1].role"), (("a", 0, 2, "b"), "a[0][2].b")],
+)
+def test_param_path(loc: tuple[int | str, ...], path: str) -> None:
+    assert param_path(loc) == path
