@@ -12,10 +12,19 @@ from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from gateway import __version__
 from gateway.app import create_app
 from gateway.settings import Settings
+from gateway.supervisor.cli import (
+    add_engine_arguments,
+    engine_overrides,
+    run_engine,
+    run_up,
+    show_profiles,
+    show_status,
+)
 
 logger = logging.getLogger("gateway")
 
@@ -41,6 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="listen port (NEMOTRON_PORT, default 8000)")
     serve.add_argument("--engine-url", help="engine base URL (NEMOTRON_ENGINE_URL, default http://127.0.0.1:8001)")
     _add_common(serve)
+
+    engine = verbs.add_parser("engine", help="run the engine supervisor in the foreground (vllm serve on 127.0.0.1)")
+    add_engine_arguments(engine)
+    _add_common(engine)
+    engine_verbs = engine.add_subparsers(dest="engine_verb", metavar="[status|profiles]")
+    status = engine_verbs.add_parser("status", help="the supervisor's state; exit 0 when the engine is ready")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    engine_verbs.add_parser("profiles", help="list the engine profiles and their vLLM flags")
+
+    up = verbs.add_parser("up", help="engine supervisor and gateway together, in the foreground")
+    up.add_argument("--host", help="gateway listen address (NEMOTRON_HOST)")
+    up.add_argument("--port", type=int, help="gateway listen port (NEMOTRON_PORT)")
+    add_engine_arguments(up)
+    _add_common(up)
     return parser
 
 
@@ -49,7 +72,9 @@ def load_settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
         name: getattr(args, name) for name in _SETTING_FLAGS if getattr(args, name, None) is not None
     }
-    return Settings(_env_file=args.env_file, **overrides)
+    if engine := engine_overrides(args):
+        overrides["engine"] = engine
+    return Settings(_env_file=getattr(args, "env_file", None), **overrides)
 
 
 def configure_logging(level: str) -> None:
@@ -84,10 +109,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(args)
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:
         sys.stderr.write(f"nemotron-gateway: invalid configuration:\n{exc}\n")
         return 2
     configure_logging(settings.log_level)
     if args.verb == "serve":
         return serve(settings)
+    if args.verb == "engine":
+        if args.engine_verb == "status":
+            return show_status(settings, as_json=args.json)
+        if args.engine_verb == "profiles":
+            return show_profiles(settings)
+        return run_engine(settings)
+    if args.verb == "up":
+        return run_up(settings, args.env_file)
     raise AssertionError(f"unhandled verb {args.verb}")

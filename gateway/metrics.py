@@ -6,6 +6,8 @@ engine's `vllm:` prefix, never a secret as a label.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Latency buckets from 5 ms to 10 min: a non-streamed completion may legitimately take minutes.
@@ -71,3 +73,51 @@ class GatewayMetrics:
             "1 when the last Redis ping succeeded, else 0.",
             registry=r,
         )
+
+
+class _SupervisorStatus(Protocol):
+    @property
+    def state(self) -> _HasValue: ...
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def last_exit_code(self) -> int | None: ...
+
+
+class _HasValue(Protocol):
+    @property
+    def value(self) -> str: ...
+
+
+SUPERVISOR_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping", "stopped", "failed")
+
+
+class SupervisorMetrics:
+    """The engine supervisor's metrics (its own process, its own registry and port)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.state = Gauge(
+            "nemotron_gateway_engine_state",
+            "1 for the supervisor's current engine state, 0 for the others.",
+            ["state"],
+            registry=r,
+        )
+        self.up = Gauge("nemotron_gateway_engine_up", "1 while the engine is ready, else 0.", registry=r)
+        self.restarts = Gauge(
+            "nemotron_gateway_engine_restarts", "Engine restarts since the supervisor started.", registry=r
+        )
+        self.last_exit_code = Gauge(
+            "nemotron_gateway_engine_last_exit_code", "Exit code of the engine's last exit (-N: signal N).", registry=r
+        )
+
+    def observe(self, status: _SupervisorStatus) -> None:
+        """Export a status snapshot."""
+        current = status.state.value
+        for state in SUPERVISOR_STATES:
+            self.state.labels(state).set(1 if state == current else 0)
+        self.up.set(1 if current == "ready" else 0)
+        self.restarts.set(status.restarts)
+        if status.last_exit_code is not None:
+            self.last_exit_code.set(status.last_exit_code)

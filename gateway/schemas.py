@@ -90,7 +90,7 @@ class _SamplingFields(_Strict):
     """Fields shared by chat and text completions."""
 
     model: StrictStr
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     n: StrictInt | None = Field(None, ge=1)

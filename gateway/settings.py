@@ -6,6 +6,7 @@ entry point and passed down; there is no module-level instance.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -133,6 +134,44 @@ class RateLimitSettings(_Group):
         return self
 
 
+class EngineSettings(_Group):
+    """The engine the supervisor runs: `vllm serve` on 127.0.0.1 (`NEMOTRON_ENGINE__<FIELD>`)."""
+
+    model: str | None = Field(None, description="Model directory or hub id passed to `vllm serve`.")
+    served_model_name: str = Field("nemotron", description="The model name clients send (vLLM's --served-model-name).")
+    port: int = Field(8001, ge=1, le=65535, description="Port of the engine on 127.0.0.1 (never exposed).")
+    profile: str = Field("balanced", description="Engine profile (see `nemotron-gateway engine profiles`).")
+    profiles_file: Path | None = Field(None, description="The operator's TOML file of extra or changed profiles.")
+    extra_args: tuple[str, ...] = Field((), description="Further `vllm serve` flags (JSON list), after the profile's.")
+    python: str | None = Field(None, description="Python interpreter that has vLLM (default: the gateway's own).")
+    launcher: tuple[str, ...] | None = Field(
+        None,
+        description="argv prefix of a `vllm serve`-compatible command (JSON list), replacing "
+        "`<python> -m vllm.entrypoints.cli.main serve`; its flags are not checked against vLLM's.",
+    )
+    startup_timeout: float = Field(
+        1800.0, gt=0, description="Seconds the engine may take to answer /health 200 (loading a model takes minutes)."
+    )
+    probe_interval: float = Field(5.0, gt=0, description="Seconds between health probes of a ready engine.")
+    probe_timeout: float = Field(5.0, gt=0, description="Seconds one health probe may take.")
+    probe_failures: int = Field(
+        3, ge=1, description="Consecutive failed probes after which a hung engine is restarted."
+    )
+    backoff_initial: float = Field(2.0, gt=0, description="Seconds before the first restart after a crash.")
+    backoff_max: float = Field(60.0, gt=0, description="Longest wait between restarts (doubling, with jitter).")
+    crash_limit: int = Field(5, ge=1, description="Crashes within `crash_window` after which the supervisor gives up.")
+    crash_window: float = Field(600.0, gt=0, description="Seconds over which crashes are counted.")
+    stop_grace: float = Field(15.0, gt=0, description="Seconds between SIGTERM and SIGKILL of the engine's group.")
+    state_dir: Path = Field(
+        Path("/tmp/nemotron-gateway"), description="Where the supervisor writes its status file and flag cache."
+    )
+    metrics_port: int = Field(
+        9101, ge=0, le=65535, description="Port on 127.0.0.1 for the supervisor's Prometheus metrics (0: off)."
+    )
+    log_lines: int = Field(200, ge=10, description="Engine output lines kept to show when start-up fails.")
+    run_doctor: bool = Field(True, description="Run the fatal preflight checks before spawning the engine.")
+
+
 class Settings(BaseSettings):
     """The gateway's configuration: environment variables `NEMOTRON_<FIELD>`, an optional env file, or flags.
 
@@ -191,6 +230,7 @@ class Settings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     limits: RateLimitSettings = Field(default_factory=RateLimitSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
 
     @field_validator("engine_url")
     @classmethod

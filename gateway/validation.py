@@ -21,6 +21,9 @@ from gateway.settings import Settings
 _CHARS_PER_TOKEN = 4
 _DEFAULT_MAX_TOKENS_ESTIMATE = 256
 
+_UNION_TAGS = frozenset(("str", "int", "float", "bool", "list", "dict", "none"))
+_JSON_TYPES = {"list": "array", "str": "string", "int": "number", "float": "number", "bool": "boolean"}
+
 # What to send instead, by pydantic error type.
 _HINTS: dict[str, str] = {
     "bool_type": "send true or false",
@@ -62,7 +65,7 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequestError(f"The request body is not valid JSON ({exc}); send a JSON object.") from None
     if not isinstance(parsed, dict):
         raise InvalidRequestError(
-            f"The request body must be a JSON object, not a JSON {type(parsed).__name__}; "
+            f"The request body must be a JSON object, not a JSON {_JSON_TYPES.get(type(parsed).__name__, 'null')}; "
             'send {"model": ..., "messages": [...]}.'
         )
     return parsed
@@ -79,9 +82,24 @@ def param_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
+def _field_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    # pydantic puts union members and validator names into locations (`content.str`,
+    # `content.list[ContentPart]`, `function-after[...]`); the client only knows field names.
+    return tuple(
+        part
+        for part in loc
+        if isinstance(part, int) or not (part in _UNION_TAGS or "[" in part or part.startswith("function-"))
+    )
+
+
 def _as_request_error(exc: ValidationError) -> InvalidRequestError:
-    error = exc.errors(include_url=False)[0]
-    loc = tuple(part for part in error["loc"] if isinstance(part, int) or not part.startswith("function-"))
+    errors = exc.errors(include_url=False)
+    # With a union, the deepest error is the one about what the client meant (a list's element,
+    # not "should be a string").
+    first_loc = _field_loc(errors[0]["loc"])
+    same_field = [e for e in errors if _field_loc(e["loc"])[: len(first_loc)] == first_loc]
+    error = max(same_field, key=lambda e: len(_field_loc(e["loc"])))
+    loc = _field_loc(error["loc"])
     param = param_path(loc)
     kind = error["type"]
     if kind == "literal_error" and loc[-1:] == ("role",):

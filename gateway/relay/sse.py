@@ -174,26 +174,29 @@ class SSERelay:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _take_usage(self, chunk: bytes) -> bytes:
-        marker = chunk.find(_USAGE_MARKERS[0])
-        if marker < 0:
-            marker = chunk.find(_USAGE_MARKERS[1])
-        start = chunk.rfind(b"\n", 0, marker) + 1
-        end = chunk.find(b"\n", marker)
-        line = chunk[start:end]
-        if line.startswith(b"data:"):
-            try:
-                event = orjson.loads(line[5:])
-            except orjson.JSONDecodeError:
-                return chunk
-            if isinstance(event, dict):
-                self._record.take_usage(event.get("usage"))
-                if self._strip_usage and not event.get("choices"):
-                    # The usage-only chunk the gateway asked for on the client's behalf: drop the
-                    # line and the blank line that ends its event.
-                    if chunk[end + 1 : end + 2] == b"\n":
-                        end += 1
-                    return chunk[:start] + chunk[end + 1 :]
-        return chunk
+        """Record the usage of every line that carries one; drop usage-only events the client did not ask for."""
+        kept: list[bytes] = []
+        lines = chunk.split(b"\n")
+        skip_blank = False
+        for line in lines:
+            if skip_blank and not line:
+                skip_blank = False
+                continue
+            skip_blank = False
+            if line.startswith(b"data:") and (_USAGE_MARKERS[0] in line or _USAGE_MARKERS[1] in line):
+                try:
+                    event = orjson.loads(line[5:])
+                except orjson.JSONDecodeError:
+                    event = None
+                if isinstance(event, dict):
+                    self._record.take_usage(event.get("usage"))
+                    if self._strip_usage and not event.get("choices"):
+                        # The usage-only chunk the gateway asked for on the client's behalf: drop the
+                        # line and the blank line that ends its event.
+                        skip_blank = True
+                        continue
+            kept.append(line)
+        return b"\n".join(kept)
 
     async def _fail(self, send: Send, kind: str, error: GatewayError) -> None:
         self._record.engine_error = kind

@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -521,7 +523,7 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
@@ -529,11 +531,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument("--startup-delay", type=float, default=0.0, help="seconds before binding (model load)")
     parser.add_argument("--ignore-sigterm", action="store_true")
+    parser.add_argument("--spawn-child", action="store_true", help="fork a helper holding /dev/shm, like EngineCore")
     parser.add_argument("--log-level", default="warning")
-    args = parser.parse_args(argv)
+    if argv[:1] != ["serve"]:
+        return parser.parse_args(argv)
+    # `serve MODEL --served-model-name N ...`: the shape the supervisor gives `vllm serve`; other vLLM
+    # flags are accepted and ignored.
+    parser.add_argument("model_path")
+    parser.add_argument("--served-model-name")
+    args, _ = parser.parse_known_args(argv[1:])
+    args.model = args.served_model_name or args.model_path
+    return args
+
+
+def _spawn_child() -> None:
+    """A helper process in our group that ignores SIGTERM and holds a /dev/shm file (EngineCore's habits)."""
+    code = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "f = open(f'/dev/shm/fake-engine-{os.getpid()}', 'w')\n"
+        "time.sleep(3600)\n"
+    )
+    subprocess.Popen([sys.executable, "-c", code])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper())
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.spawn_child:
+        _spawn_child()
     time.sleep(args.startup_delay)
     app = FakeEngine(model=args.model, max_model_len=args.max_model_len)
     config = uvicorn.Config(

@@ -1,0 +1,210 @@
+"""The supervisor's verbs: `engine` (foreground supervisor), `engine status`, `engine profiles`, and `up`.
+
+`up` runs the supervisor in this process and the gateway (`nemotron-gateway serve`) as a guarded child:
+one foreground process tree for a single machine. On SIGTERM/SIGINT the gateway drains first, then
+the engine stops. Never imports the HTTP app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import start_http_server
+
+from gateway.metrics import SupervisorMetrics
+from gateway.settings import Settings
+from gateway.supervisor.launch import prepare
+from gateway.supervisor.process import GuardedProcess
+from gateway.supervisor.profiles import ProfileError, load_profiles
+from gateway.supervisor.state import EngineState, EngineStatus, read_status
+from gateway.supervisor.supervisor import EngineSupervisor
+
+logger = logging.getLogger(__name__)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by `engine` and `up` (each also an environment variable)."""
+    parser.add_argument("--model", help="model directory or hub id (NEMOTRON_ENGINE__MODEL)")
+    parser.add_argument("--profile", help="engine profile (NEMOTRON_ENGINE__PROFILE, default balanced)")
+    parser.add_argument("--served-model-name", help="name clients send (NEMOTRON_ENGINE__SERVED_MODEL_NAME)")
+    parser.add_argument("--engine-port", type=int, help="engine port on 127.0.0.1 (NEMOTRON_ENGINE__PORT)")
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The `engine` settings group fields the flags set."""
+    names = {"model": "model", "profile": "profile", "served_model_name": "served_model_name", "engine_port": "port"}
+    return {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
+
+
+def _status_path(settings: Settings) -> Path:
+    return settings.engine.state_dir / "engine.json"
+
+
+def show_status(settings: Settings, *, as_json: bool) -> int:
+    """Print the supervisor's last status; exit 0 when the engine is ready, 1 otherwise."""
+    status = read_status(_status_path(settings))
+    if status is None:
+        sys.stdout.write(f"no engine supervisor status at {_status_path(settings)}\n")
+        return 1
+    alive = _pid_alive(status.supervisor_pid)
+    if not alive and status.state not in (EngineState.STOPPED, EngineState.FAILED):
+        status.reason = f"supervisor (pid {status.supervisor_pid}) is not running; last state {status.state.value}"
+        status.state = EngineState.STOPPED
+    if as_json:
+        sys.stdout.write(json.dumps({**status.to_json(), "supervisor_running": alive}) + "\n")
+    else:
+        rows = [
+            ("state", status.state.value),
+            ("reason", status.reason or "-"),
+            ("profile", status.profile),
+            ("model", status.model),
+            ("engine", status.engine_url),
+            ("engine pid", str(status.engine_pid or "-")),
+            ("supervisor pid", f"{status.supervisor_pid} ({'running' if alive else 'not running'})"),
+            ("restarts", str(status.restarts)),
+            ("last exit code", "-" if status.last_exit_code is None else str(status.last_exit_code)),
+            ("since", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(status.since))),
+        ]
+        sys.stdout.write("".join(f"{name:<15} {value}\n" for name, value in rows))
+    return 0 if status.state == EngineState.READY and alive else 1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def show_profiles(settings: Settings) -> int:
+    """List the engine profiles and their flags."""
+    try:
+        profiles = load_profiles(settings.engine.profiles_file)
+    except ProfileError as exc:
+        sys.stderr.write(f"nemotron-gateway: {exc}\n")
+        return 2
+    for name, profile in profiles.items():
+        if profile.hidden:
+            continue
+        flags = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in profile.flags.items() if v is not False)
+        sys.stdout.write(f"{name}\n  {profile.description}\n  {flags}\n")
+    return 0
+
+
+def _build_supervisor(settings: Settings) -> EngineSupervisor:
+    profile, argv, env = prepare(settings)
+    status = EngineStatus(
+        profile=profile.name,
+        model=settings.engine.model or "",
+        engine_url=f"http://127.0.0.1:{settings.engine.port}",
+    )
+    metrics = SupervisorMetrics()
+    if settings.engine.metrics_port:
+        start_http_server(settings.engine.metrics_port, addr="127.0.0.1", registry=metrics.registry)
+    logger.info("engine command: %s", " ".join(argv))
+    return EngineSupervisor(settings.engine, argv, env, status=status, metrics=metrics)
+
+
+def run_engine(settings: Settings) -> int:
+    """`nemotron-gateway engine`: the supervisor in the foreground (the production unit)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        supervisor = _build_supervisor(settings)
+    except ProfileError as exc:
+        sys.stderr.write(f"nemotron-gateway engine: {exc}\n")
+        return 2
+
+    async def main() -> int:
+        supervisor.install_signal_handlers()
+        return await supervisor.run()
+
+    return asyncio.run(main())
+
+
+def _gateway_argv(env_file: Path | None) -> list[str]:
+    argv = [sys.executable, "-m", "gateway", "serve"]
+    return argv + (["--env-file", str(env_file)] if env_file is not None else [])
+
+
+def _gateway_env(settings: Settings) -> dict[str, str]:
+    # Resolved settings reach the child through its environment (a secret in argv shows in `ps`).
+    env = dict(os.environ)
+    env.update(
+        {
+            "NEMOTRON_HOST": settings.host,
+            "NEMOTRON_PORT": str(settings.port),
+            "NEMOTRON_ENGINE_URL": f"http://127.0.0.1:{settings.engine.port}",
+            "NEMOTRON_REDIS_URL": settings.redis_url.get_secret_value(),
+            "NEMOTRON_LOG_LEVEL": settings.log_level,
+        }
+    )
+    return env
+
+
+def _echo_gateway(line: str) -> None:
+    sys.stdout.write(f"gateway | {line}\n")
+    sys.stdout.flush()
+
+
+def run_up(settings: Settings, env_file: Path | None) -> int:
+    """`nemotron-gateway up`: engine supervisor + gateway in one foreground process tree."""
+    try:
+        supervisor = _build_supervisor(settings)
+    except ProfileError as exc:
+        sys.stderr.write(f"nemotron-gateway up: {exc}\n")
+        return 2
+    gateway = GuardedProcess(
+        _gateway_argv(env_file),
+        env=_gateway_env(settings),
+        grace=settings.shutdown_grace + 5,
+        on_line=_echo_gateway,
+    )
+    return asyncio.run(_up(supervisor, gateway))
+
+
+async def _up(supervisor: EngineSupervisor, gateway: GuardedProcess) -> int:
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (2, 15):  # SIGINT, SIGTERM: drain the gateway first, then stop the engine
+        loop.add_signal_handler(sig, stop_requested.set)
+    engine_task = asyncio.create_task(supervisor.run(), name="engine-supervisor")
+    await gateway.start()
+    gateway_exit = asyncio.create_task(gateway.wait(), name="gateway-exit")
+    stop_wait = asyncio.create_task(stop_requested.wait(), name="stop-requested")
+    await asyncio.wait((engine_task, gateway_exit, stop_wait), return_when=asyncio.FIRST_COMPLETED)
+    if not gateway_exit.done():
+        await gateway.stop()
+    elif not stop_wait.done():
+        logger.error("the gateway exited unexpectedly (exit code %s); stopping the engine", gateway.returncode)
+    supervisor.handle_exit()
+    code = await engine_task
+    stop_wait.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await stop_wait
+    if gateway.returncode not in (0, None) and not stop_requested.is_set():
+        return 1
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gateway.supervisor [--model M] [--profile P] [--env-file F]`: the engine supervisor alone."""
+    parser = argparse.ArgumentParser(prog="python -m gateway.supervisor")
+    add_engine_arguments(parser)
+    parser.add_argument("--env-file", type=Path, help="read NEMOTRON_* settings from this file as well")
+    args = parser.parse_args(argv)
+    settings = Settings(_env_file=args.env_file, engine=engine_overrides(args))
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return run_engine(settings)

@@ -1,0 +1,195 @@
+"""GuardedProcess: a child command in its own process group, behind a guard that outlives nothing.
+
+`vllm serve` forks EngineCore and Worker processes; killing only its pid leaves them running with
+gigabytes held, and SIGKILL of the group leaves POSIX shared memory in /dev/shm. So the command runs
+under `python -m gateway.supervisor.guard`, the group leader, which tears down the whole group (SIGTERM,
+grace, SIGKILL, /dev/shm clean-up) when asked, when the command exits, and when the supervisor dies
+for any reason, SIGKILL included (its stdin pipe from the supervisor reaches EOF). Imports nothing of
+the HTTP app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SHM = "/dev/shm/"
+
+
+def group_members(pgid: int, *, exclude: int | None = None) -> list[int]:
+    """Pids of the live processes in process group `pgid` (read from /proc; zombies left out)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid and int(entry.name) != exclude:
+            members.append(int(entry.name))
+    return members
+
+
+def shared_memory_of(pids: Sequence[int]) -> set[str]:
+    """The /dev/shm files these processes have mapped or open (what a SIGKILL leaves behind)."""
+    paths: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                start = line.find(_SHM)
+                if start >= 0:
+                    paths.add(line[start:].removesuffix(" (deleted)"))
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd.path)
+                    if target.startswith(_SHM):
+                        paths.add(target.removesuffix(" (deleted)"))
+    return paths
+
+
+def remove_files(paths: set[str]) -> int:
+    """Unlink the files that still exist; returns how many were removed."""
+    removed = 0
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed += 1
+    return removed
+
+
+def signal_pids(pids: Sequence[int], sig: int) -> None:
+    """Send `sig` to each pid that still exists."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def terminate_group(pgid: int, grace: float, *, exclude: int | None = None) -> int:
+    """SIGTERM every member of the group, wait up to `grace` s, SIGKILL what is left, clean /dev/shm.
+
+    Returns the number of processes that had to be killed. Blocking (used by the guard process).
+    """
+    members = group_members(pgid, exclude=exclude)
+    shm = shared_memory_of(members)
+    signal_pids(members, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while members and time.monotonic() < deadline:
+        time.sleep(0.05)
+        members = group_members(pgid, exclude=exclude)
+        shm |= shared_memory_of(members)
+    signal_pids(members, signal.SIGKILL)
+    while group_members(pgid, exclude=exclude):
+        time.sleep(0.02)
+    removed = remove_files(shm)
+    if members or removed:
+        logger.warning("killed %d leftover process(es), removed %d /dev/shm file(s)", len(members), removed)
+    return len(members)
+
+
+class GuardedProcess:
+    """Runs `argv` under the guard; its output lines go to `on_line` and a ring buffer."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        grace: float = 15.0,
+        log_lines: int = 200,
+        on_line: Callable[[str], None] | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.env = dict(env) if env is not None else None
+        self.grace = grace
+        self.tail: collections.deque[str] = collections.deque(maxlen=log_lines)
+        self._on_line = on_line
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self.stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        """The guard's pid (also the process group id), once started."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The command's exit code once it has ended (negative: killed by that signal)."""
+        return None if self._proc is None else self._proc.returncode
+
+    @property
+    def last_line(self) -> str:
+        """The latest output line (for progress reports)."""
+        return self.tail[-1] if self.tail else ""
+
+    async def start(self) -> None:
+        """Spawn the guard in a new session (its own process group) with a stdin pipe kept by us."""
+        guard = [sys.executable, "-m", "gateway.supervisor.guard", "--grace", str(self.grace), "--", *self.argv]
+        self._proc = await asyncio.create_subprocess_exec(
+            *guard,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+        self._reader = asyncio.create_task(self._read_output(), name=f"output-{self._proc.pid}")
+
+    async def _read_output(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        async for raw in self._proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            self.tail.append(line)
+            if self._on_line is not None:
+                self._on_line(line)
+
+    async def wait(self) -> int:
+        """Wait for the command (and its guard) to end; its exit code."""
+        assert self._proc is not None
+        code = await self._proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(self._reader, 2.0)
+        return code
+
+    async def stop(self) -> int | None:
+        """SIGTERM the group (the guard then waits `grace` and SIGKILLs the rest); SIGKILL if the guard hangs."""
+        if self._proc is None or self._proc.returncode is not None:
+            return self.returncode
+        self.stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(self.wait(), self.grace + 5.0)
+        except TimeoutError:
+            logger.error("guard %d did not finish within %.0f s; killing its group", self._proc.pid, self.grace + 5)
+            await self.kill()
+            return await self.wait()
+
+    async def kill(self) -> None:
+        """SIGKILL the whole group now and remove the shared memory it held (a hung engine)."""
+        if self._proc is None or self._proc.returncode is not None:
+            return
+        self.stopping = True
+        members = group_members(self._proc.pid)
+        shm = shared_memory_of(members)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while group_members(self._proc.pid) and time.monotonic() < deadline:  # noqa: ASYNC110  # no event exists for non-child exits
+            await asyncio.sleep(0.02)
+        remove_files(shm)

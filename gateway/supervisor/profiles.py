@@ -1,0 +1,129 @@
+"""Engine profiles (data in profiles.toml plus the operator's file) and the pure `vllm serve` argv builder.
+
+Imports settings and errors only.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from gateway.settings import EngineSettings
+
+ENGINE_HOST = "127.0.0.1"
+_META_KEYS = frozenset(("extends", "description", "env", "hidden"))
+# Set by the supervisor itself from settings; a profile naming them would fight the settings.
+_RESERVED_FLAGS = frozenset(("host", "port", "served-model-name", "model"))
+
+
+class ProfileError(Exception):
+    """An unknown profile, a malformed profile file, or a flag the installed vLLM does not accept."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One resolved profile: its flags in order (inherited first) and the engine's extra environment."""
+
+    name: str
+    description: str
+    flags: Mapping[str, Any]
+    env: Mapping[str, str] = field(default_factory=dict)
+    hidden: bool = False
+
+
+def _read_toml(text: str, origin: str) -> dict[str, dict[str, Any]]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{origin} is not valid TOML: {exc}") from None
+    table = data.get("profiles")
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ProfileError(f"{origin} must contain [profiles.<name>] tables")
+    return table
+
+
+def load_profiles(operator_file: Path | None = None) -> dict[str, Profile]:
+    """The shipped profiles, overlaid by the operator's file (a profile there replaces or adds one)."""
+    shipped = resources.files("gateway.supervisor").joinpath("profiles.toml").read_text("utf-8")
+    raw = _read_toml(shipped, "profiles.toml")
+    if operator_file is not None:
+        try:
+            text = operator_file.read_text("utf-8")
+        except OSError as exc:
+            raise ProfileError(f"cannot read the profiles file {operator_file}: {exc.strerror}") from None
+        raw.update(_read_toml(text, str(operator_file)))
+    return {name: _resolve(name, raw, ()) for name in raw}
+
+
+def _resolve(name: str, raw: Mapping[str, Mapping[str, Any]], seen: tuple[str, ...]) -> Profile:
+    if name in seen:
+        raise ProfileError(f"profile {name!r} extends itself through {' -> '.join(seen)}")
+    table = raw[name]
+    flags: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    parent_name = table.get("extends")
+    if parent_name is not None:
+        if parent_name not in raw:
+            raise ProfileError(f"profile {name!r} extends unknown profile {parent_name!r}")
+        parent = _resolve(parent_name, raw, (*seen, name))
+        flags.update(parent.flags)
+        env.update(parent.env)
+    for key, value in table.items():
+        if key in _META_KEYS:
+            continue
+        if key in _RESERVED_FLAGS:
+            raise ProfileError(f"profile {name!r} sets --{key}; that comes from the engine settings")
+        if not isinstance(value, str | int | float | bool):
+            raise ProfileError(f"profile {name!r}: --{key} must be a string, number or boolean")
+        flags[key] = value
+    env.update({str(k): str(v) for k, v in dict(table.get("env", {})).items()})
+    return Profile(
+        name=name,
+        description=str(table.get("description", "")),
+        flags=flags,
+        env=env,
+        hidden=bool(table.get("hidden", False)),
+    )
+
+
+def select_profile(profiles: Mapping[str, Profile], name: str) -> Profile:
+    """The named profile, or a ProfileError listing the choices."""
+    profile = profiles.get(name)
+    if profile is None or profile.hidden:
+        choices = ", ".join(sorted(n for n, p in profiles.items() if not p.hidden))
+        raise ProfileError(f"unknown engine profile {name!r}; choose one of: {choices}")
+    return profile
+
+
+def _flag_args(name: str, value: Any) -> list[str]:
+    if value is True:
+        return [f"--{name}"]
+    if value is False:
+        return []
+    return [f"--{name}", str(value)]
+
+
+def build_argv(launcher: Sequence[str], engine: EngineSettings, profile: Profile) -> list[str]:
+    """The full `vllm serve` command line: launcher, model, bound to 127.0.0.1, profile flags, extra args."""
+    if not engine.model:
+        raise ProfileError("no model configured: set NEMOTRON_ENGINE__MODEL (a model directory or hub id)")
+    argv = [*launcher, engine.model, "--host", ENGINE_HOST, "--port", str(engine.port)]
+    argv += ["--served-model-name", engine.served_model_name]
+    for name, value in profile.flags.items():
+        argv += _flag_args(name, value)
+    argv += list(engine.extra_args)
+    return argv
+
+
+def option_names(argv: Sequence[str]) -> list[str]:
+    """The `--flag` names an argv uses (`--a=b` counted as `--a`)."""
+    return [arg.split("=", 1)[0] for arg in argv if arg.startswith("--")]
+
+
+def unknown_flags(argv: Sequence[str], accepted: frozenset[str]) -> list[str]:
+    """Flags in `argv` the installed vLLM does not accept (`accepted` from its --help=all)."""
+    return [name for name in option_names(argv) if name not in accepted]

@@ -1,0 +1,223 @@
+"""EngineSupervisor: spawns `vllm serve`, knows when it is ready, restarts it when it dies or hangs, stops it.
+
+Signal handlers only record; the loop acts; a second signal forces (uvicorn's model). Restarts back
+off exponentially with jitter, and a crash-loop budget ends in FAILED with a non-zero exit so that
+systemd's own restart policy takes over. Talks to the engine over HTTP only; never imports the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+
+import httpx
+
+from gateway.metrics import SupervisorMetrics
+from gateway.settings import EngineSettings
+from gateway.supervisor.process import GuardedProcess
+from gateway.supervisor.state import EngineState, EngineStatus
+
+logger = logging.getLogger(__name__)
+
+_READY_POLL = 0.5
+_PROGRESS_EVERY = 10.0
+
+
+class EngineSupervisor:
+    """Keeps one engine running; `run()` returns the process exit code (0 stopped, 1 failed)."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        argv: list[str],
+        env: Mapping[str, str],
+        *,
+        status: EngineStatus,
+        metrics: SupervisorMetrics | None = None,
+        on_line: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.argv = argv
+        self.env = dict(env)
+        self.status = status
+        self.metrics = metrics
+        self.on_line = on_line or _echo
+        self.should_exit = asyncio.Event()
+        self.force_exit = False
+        self.process: GuardedProcess | None = None
+        self._crashes: deque[float] = deque()
+        self._kill_task: asyncio.Future[None] | None = None
+        self._health_url = f"http://127.0.0.1:{settings.port}/health"
+
+    # --- signals: record only -------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT ask for a clean stop; a second one forces it."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.handle_exit)
+
+    def handle_exit(self) -> None:
+        """Record a stop request (the loop acts on it)."""
+        if self.should_exit.is_set() and not self.force_exit:
+            self.force_exit = True
+            if self.process is not None:
+                self._kill_task = asyncio.ensure_future(self.process.kill())
+        self.should_exit.set()
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def _set_state(self, state: EngineState, reason: str | None = None) -> None:
+        if state != self.status.state or reason != self.status.reason:
+            log = logger.error if state in (EngineState.FAILED, EngineState.UNHEALTHY) else logger.info
+            log("engine %s%s", state.value, f": {reason}" if reason else "")
+        self.status.state = state
+        self.status.reason = reason
+        self.status.since = time.time()
+        self.status.engine_pid = self.process.pid if self.process else None
+        self.status.write(self.settings.state_dir / "engine.json")
+        if self.metrics is not None:
+            self.metrics.observe(self.status)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Start, supervise and restart the engine until asked to stop or out of crash budget."""
+        async with httpx.AsyncClient(timeout=self.settings.probe_timeout) as client:
+            while not self.should_exit.is_set():
+                crash_reason = await self._run_once(client)
+                if crash_reason is None:
+                    break
+                if not await self._after_crash(crash_reason):
+                    return 1
+        await self._stop()
+        self._set_state(EngineState.STOPPED)
+        return 0
+
+    async def _run_once(self, client: httpx.AsyncClient) -> str | None:
+        """One engine life: None when it ended because we stop, else why it crashed."""
+        self.process = GuardedProcess(
+            self.argv,
+            env=self.env,
+            grace=self.settings.stop_grace,
+            log_lines=self.settings.log_lines,
+            on_line=self.on_line,
+        )
+        self._set_state(EngineState.STARTING)
+        await self.process.start()
+        reason = await self._wait_ready(client)
+        if reason is not None or self.should_exit.is_set():
+            return reason
+        self._set_state(EngineState.READY)
+        return await self._watch(client)
+
+    async def _wait_ready(self, client: httpx.AsyncClient) -> str | None:
+        assert self.process is not None
+        started = time.monotonic()
+        next_progress = started + _PROGRESS_EVERY
+        while not self.should_exit.is_set():
+            if self.process.returncode is not None:
+                return self._exit_reason("exited during start-up", show_tail=True)
+            now = time.monotonic()
+            if now - started > self.settings.startup_timeout:
+                await self.process.kill()
+                return self._exit_reason(f"not ready after {self.settings.startup_timeout:.0f} s", show_tail=True)
+            if now >= next_progress:
+                logger.info("engine starting: %.0f s elapsed; last line: %s", now - started, self.process.last_line)
+                next_progress = now + _PROGRESS_EVERY
+            if await self._probe(client) is None:
+                logger.info("engine ready after %.1f s", time.monotonic() - started)
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.should_exit.wait(), _READY_POLL)
+        return None
+
+    async def _watch(self, client: httpx.AsyncClient) -> str | None:
+        assert self.process is not None
+        failures = 0
+        exited = asyncio.ensure_future(self.process.wait())
+        stop = asyncio.ensure_future(self.should_exit.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    (exited, stop), timeout=self.settings.probe_interval, return_when=asyncio.FIRST_COMPLETED
+                )
+                if stop in done:
+                    return None
+                if exited in done:
+                    # Any exit we did not ask for is a crash: vLLM exits 0 when its engine core dies.
+                    return self._exit_reason("exited")
+                why = await self._probe(client)
+                if why is None:
+                    if failures:
+                        self._set_state(EngineState.READY)
+                    failures = 0
+                    continue
+                failures += 1
+                self._set_state(EngineState.UNHEALTHY, f"{why} ({failures}/{self.settings.probe_failures})")
+                if failures >= self.settings.probe_failures:
+                    await self.process.kill()
+                    return f"hung: {failures} failed health probes ({why})"
+        finally:
+            stop.cancel()
+            if not exited.done():
+                exited.cancel()
+
+    async def _probe(self, client: httpx.AsyncClient) -> str | None:
+        try:
+            response = await client.get(self._health_url)
+        except httpx.TimeoutException:
+            return f"/health did not answer within {self.settings.probe_timeout:g} s"
+        except httpx.HTTPError as exc:
+            return f"/health failed ({type(exc).__name__})"
+        return None if response.status_code == 200 else f"/health answered {response.status_code}"
+
+    def _exit_reason(self, what: str, *, show_tail: bool = False) -> str:
+        assert self.process is not None
+        code = self.process.returncode
+        self.status.last_exit_code = code
+        if show_tail and self.process.tail:
+            logger.error("last engine output:\n%s", "\n".join(list(self.process.tail)[-40:]))
+        return f"{what} (exit code {code})" if code is not None else what
+
+    async def _after_crash(self, reason: str) -> bool:
+        """Count the crash; False when the budget is spent (FAILED), else wait the backoff (RESTARTING)."""
+        now = time.monotonic()
+        self._crashes.append(now)
+        while self._crashes and now - self._crashes[0] > self.settings.crash_window:
+            self._crashes.popleft()
+        await self._stop()
+        if len(self._crashes) >= self.settings.crash_limit:
+            self._set_state(
+                EngineState.FAILED,
+                f"{reason}; {len(self._crashes)} crashes within {self.settings.crash_window:.0f} s, giving up",
+            )
+            return False
+        delay = min(self.settings.backoff_max, self.settings.backoff_initial * 2 ** (len(self._crashes) - 1))
+        delay *= random.uniform(0.8, 1.2)
+        self.status.restarts += 1
+        self._set_state(EngineState.RESTARTING, f"{reason}; restart {self.status.restarts} in {delay:.1f} s")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.should_exit.wait(), delay)
+        return True
+
+    async def _stop(self) -> None:
+        if self.process is None or self.process.returncode is not None:
+            return
+        self._set_state(EngineState.STOPPING)
+        if self.force_exit:
+            await self.process.kill()
+        code = await self.process.stop()
+        self.status.last_exit_code = code
+
+
+def _echo(line: str) -> None:
+    sys.stdout.write(f"engine | {line}\n")
+    sys.stdout.flush()
