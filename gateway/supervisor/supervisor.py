@@ -110,8 +110,8 @@ class EngineSupervisor:
             log_lines=self.settings.log_lines,
             on_line=self.on_line,
         )
-        self._set_state(EngineState.STARTING)
         await self.process.start()
+        self._set_state(EngineState.STARTING)
         reason = await self._wait_ready(client)
         if reason is not None or self.should_exit.is_set():
             return reason
