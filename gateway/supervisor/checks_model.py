@@ -1,0 +1,274 @@
+"""Model-directory preflight checks: weights, config, tokenizer, chat template, BOS, rope_theta, context length.
+
+Reads config.json and tokenizer_config.json as JSON (no transformers import). The derived context length
+follows vLLM's `_get_and_verify_max_len`. Imports only `check` of ours.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.supervisor.check import Check, failed, gib, passed, skipped, warned
+
+_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_UNSCALED_ROPE = ("su", "longrope", "llama3")
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+_ROPE_THETA_RANGE = (1e3, 1e8)  # 10000 (Llama 2, Nemotron-4) .. 5e5 (Llama 3.1 Nemotron) .. 1e7 seen in long-context
+
+
+@dataclass(frozen=True)
+class _Files:
+    tokenizer_dir: Path
+    tokenizer_config: dict[str, Any]
+
+
+def _load_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def resolve_model(model: str, hub_cache: Path) -> Path | None:
+    """A local directory as given, or the cached snapshot of a hub id (`org/name`), else None."""
+    local = Path(model).expanduser()
+    if local.exists() or model.startswith(("/", ".", "~")) or model.count("/") != 1:
+        return local
+    repo = hub_cache / f"models--{model.replace('/', '--')}"
+    try:
+        revision = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / revision
+    return snapshot if snapshot.is_dir() else None
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a multimodal config (`text_config` / `llm_config`), else the config."""
+    for key in ("text_config", "llm_config"):
+        sub = config.get(key)
+        if isinstance(sub, dict) and any(k in sub for k in _LENGTH_KEYS):
+            return sub
+    return config
+
+
+def _rope(config: Mapping[str, Any]) -> dict[str, Any]:
+    """rope_scaling (transformers 4) or rope_parameters (transformers 5), flattened to one dict."""
+    found = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(found, dict) and found and all(isinstance(v, dict) for v in found.values()):
+        return dict(next(iter(found.values())))  # per-layer-type parameters: vLLM assumes they agree
+    return dict(found) if isinstance(found, dict) else {}
+
+
+def derived_max_len(config: Mapping[str, Any], tokenizer_config: Mapping[str, Any]) -> int | None:
+    """The longest context vLLM allows for this config (None if the config names no length)."""
+    text = _text_config(config)
+    lengths = [v for k in _LENGTH_KEYS if isinstance(v := text.get(k), int | float) and not isinstance(v, bool)]
+    if not lengths:
+        return None
+    derived = float(min(lengths))
+    rope = _rope(text)
+    rope_type = rope.get("rope_type") or rope.get("type")
+    if rope_type and rope_type not in _UNSCALED_ROPE and "gemma3" not in str(text.get("model_type", "")):
+        if rope_type == "yarn" and isinstance(rope.get("original_max_position_embeddings"), int):
+            derived = float(rope["original_max_position_embeddings"])
+        factor = rope.get("factor", 1.0)
+        derived *= float(factor) if isinstance(factor, int | float) else 1.0
+    model_max = tokenizer_config.get("model_max_length")
+    if isinstance(model_max, int | float) and not isinstance(model_max, bool):
+        derived = min(derived, float(model_max))
+    return int(derived)
+
+
+def _weights(path: Path) -> Check:
+    name = "model directory"
+    weights = [p for glob in _WEIGHT_GLOBS for p in path.glob(glob)]
+    if not weights:
+        return failed(name, f"{path}: no weight files (*.safetensors, *.bin)", "finish the download", fatal=True)
+    index = _load_json(path / "model.safetensors.index.json")
+    shards = set(index.get("weight_map", {}).values()) if index else set()
+    missing = sorted(s for s in shards if not (path / s).exists())
+    if missing:
+        measured = f"{path}: {len(missing)} of {len(shards)} shards missing ({missing[0]}…)"
+        return failed(name, measured, "re-run the download (huggingface-cli download …)", fatal=True)
+    total = (index or {}).get("metadata", {}).get("total_size")
+    size = total if isinstance(total, int) else sum(p.stat().st_size for p in weights if p.exists())
+    return passed(name, f"{path}: {len(weights)} weight file(s), {gib(size)}", fatal=True)
+
+
+def _tokenizer(files: _Files) -> Check:
+    name = "tokenizer"
+    present = [f for f in _TOKENIZER_FILES if (files.tokenizer_dir / f).exists()]
+    present += [p.name for p in files.tokenizer_dir.glob("*.tiktoken")]
+    if not present:
+        fix = "copy the tokenizer files in, or pass --tokenizer with the base model (AWQ repos often lack them)"
+        return failed(name, f"no tokenizer files in {files.tokenizer_dir}", fix, fatal=True)
+    if not files.tokenizer_config:
+        return warned(name, f"{', '.join(present)}; no tokenizer_config.json", "add the base model's", fatal=True)
+    kind = files.tokenizer_config.get("tokenizer_class", "?")
+    return passed(name, f"{', '.join(present)} ({kind})", fatal=True)
+
+
+def chat_template_text(tokenizer_dir: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """The default chat template: tokenizer_config.json, chat_template.jinja or chat_template.json."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if isinstance(template, str) and template.strip():
+        return template
+    try:
+        return (tokenizer_dir / "chat_template.jinja").read_text()
+    except OSError:
+        pass
+    separate = _load_json(tokenizer_dir / "chat_template.json") or {}
+    found = separate.get("chat_template")
+    return found if isinstance(found, str) and found.strip() else None
+
+
+def _chat_template(
+    tokenizer_dir: Path, tokenizer_config: Mapping[str, Any], override: Path | None
+) -> tuple[Check, str | None]:
+    name = "chat template"
+    if override is not None:
+        try:
+            text = override.read_text()
+        except OSError as exc:
+            return failed(name, f"--chat-template {override}: {exc.strerror}", "pass an existing file"), None
+        return passed(name, f"{override} ({len(text)} characters)"), text
+    found = chat_template_text(tokenizer_dir, tokenizer_config)
+    if found is None:
+        fix = "pass --chat-template (engine_patches ships one for Nemotron): vLLM answers chat requests 400 without"
+        return warned(name, "none in tokenizer_config.json, chat_template.jinja or .json", fix), None
+    return passed(name, f"from the tokenizer ({len(found)} characters)"), found
+
+
+def _bos_content(tokenizer_config: Mapping[str, Any]) -> str | None:
+    bos = tokenizer_config.get("bos_token")
+    if isinstance(bos, dict):
+        bos = bos.get("content")
+    return bos if isinstance(bos, str) and bos else None
+
+
+def _post_processor_adds(tokenizer_json: Path, bos: str) -> bool | None:
+    """Whether tokenizer.json's post-processor puts `bos` first (None: no tokenizer.json or no template)."""
+    data = _load_json(tokenizer_json)
+    processor = data.get("post_processor") if data else None
+    stack = [processor]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict) and node.get("type") == "TemplateProcessing":
+            first = (node.get("single") or [{}])[0]
+            return bool(isinstance(first, dict) and first.get("SpecialToken", {}).get("id") == bos)
+        if isinstance(node, dict):
+            stack.extend(node.get("processors") or [])
+    return None if processor is None else False
+
+
+def check_bos(bos: str | None, add_bos_token: bool | None, template: str | None) -> Check:
+    """Two BOS tokens (tokenizer adds one, the template writes another) turn Nemotron output into garbage."""
+    name = "BOS token"
+    if bos is None:
+        return passed(name, "the tokenizer has no BOS token")
+    template_adds = template is not None and ("bos_token" in template or bos in template)
+    measured = f"bos {bos!r}; tokenizer adds it: {add_bos_token}; template writes it: {template_adds}"
+    if template_adds and add_bos_token:
+        fix = (
+            "double BOS wherever the rendered prompt is tokenized with special tokens (/v1/completions with a "
+            "templated prompt): serve a --chat-template without the BOS, or set add_bos_token false"
+        )
+        return warned(name, measured, fix)
+    return passed(name, measured)
+
+
+def check_rope_theta(value: object) -> Check:
+    """A rope_theta stored as a string, or far from any trained value, silently breaks long prompts."""
+    name = "rope_theta"
+    if value is None:
+        return passed(name, "not set (no RoPE, or the architecture's default)")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        fix = "write rope_theta as a number in config.json, or pass --hf-overrides '{\"rope_theta\": N}'"
+        return warned(name, f"{value!r} is not a number", fix)
+    low, high = _ROPE_THETA_RANGE
+    if not low <= value <= high:
+        fix = "compare with the base model's config.json; override with --hf-overrides '{\"rope_theta\": N}'"
+        return warned(name, f"{value:g} is outside the usual {low:g}..{high:g}", fix)
+    return passed(name, f"{value:g}")
+
+
+def check_context_length(derived: int | None, max_model_len: int | None) -> Check:
+    """vLLM refuses a --max-model-len above what the config allows (fatal)."""
+    name = "context length"
+    if derived is None:
+        return warned(
+            name, "config.json names no context length: vLLM assumes 2048", "pass --max-model-len", fatal=True
+        )
+    if max_model_len is None:
+        return passed(name, f"model allows {derived}; --max-model-len not given", fatal=True)
+    measured = f"--max-model-len {max_model_len}, model allows {derived}"
+    if max_model_len > derived:
+        fix = f"lower --max-model-len to {derived} or less (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 forces it, output degrades)"
+        return failed(name, measured, fix, fatal=True)
+    return passed(name, measured, fatal=True)
+
+
+def check_model_dir(
+    path: Path | None,
+    max_model_len: int | None,
+    *,
+    tokenizer_dir: Path | None = None,
+    chat_template: Path | None = None,
+    model: str = "",
+) -> list[Check]:
+    """Every model-directory check; `path` None means a hub id that is not downloaded yet."""
+    rest = ("model config", "tokenizer", "chat template", "BOS token", "rope_theta", "context length")
+    fatal = {"model config", "tokenizer", "context length"}
+    if path is None:
+        fix = "vLLM downloads it at first start (needs network: see the proxy row); or download it beforehand"
+        return [
+            warned("model directory", f"{model}: not in the Hugging Face cache", fix, fatal=True),
+            *(skipped(n, "model not downloaded", fatal=n in fatal) for n in rest),
+        ]
+    if not path.is_dir():
+        fix = "pass --model an existing directory or a hub id (org/name)"
+        return [
+            failed("model directory", f"{path}: no such directory", fix, fatal=True),
+            *(skipped(n, "no model directory", fatal=n in fatal) for n in rest),
+        ]
+    checks = [_weights(path)]
+    config = _load_json(path / "config.json")
+    if config is None:
+        what = "unreadable" if (path / "config.json").exists() else "missing"
+        checks.append(failed("model config", f"config.json {what}", "copy config.json from the model repo", fatal=True))
+        return [*checks, *(skipped(n, "no config.json", fatal=n in fatal) for n in rest[1:])]
+    checks.append(passed("model config", f"{config.get('model_type', '?')}: {config.get('architectures')}", fatal=True))
+    where = tokenizer_dir or path
+    files = _Files(where, _load_json(where / "tokenizer_config.json") or {})
+    checks.append(_tokenizer(files))
+    template_check, template = _chat_template(where, files.tokenizer_config, chat_template)
+    checks.append(template_check)
+    bos = _bos_content(files.tokenizer_config)
+    adds = files.tokenizer_config.get("add_bos_token")
+    if not isinstance(adds, bool) and bos is not None:
+        adds = _post_processor_adds(where / "tokenizer.json", bos)
+    checks.append(check_bos(bos, adds if isinstance(adds, bool) else None, template))
+    text = _text_config(config)
+    checks.append(check_rope_theta(text.get("rope_theta", _rope(text).get("rope_theta"))))
+    checks.append(check_context_length(derived_max_len(config, files.tokenizer_config), max_model_len))
+    return checks

@@ -1,0 +1,143 @@
+"""What this machine's NVIDIA GPUs report, through NVML (nvidia-ml-py) with sysfs for the PCIe link.
+
+A typed wrapper: the untyped `pynvml` stays inside this module. No lspci (GPU machines may lack it) and no
+nvidia-smi parsing. Imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type information
+except ImportError:  # the `gpu` extra is not installed
+    pynvml = None
+
+_SYSFS_PCI = Path("/sys/bus/pci/devices")
+_GT_PER_GEN = {"2.5": 1, "5.0": 2, "8.0": 3, "16.0": 4, "32.0": 5, "64.0": 6}
+
+
+@dataclass(frozen=True)
+class PcieLink:
+    gen: int | None
+    width: int | None
+    max_gen: int | None
+    max_width: int | None
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    name: str
+    uuid: str
+    memory_free: int
+    memory_total: int
+    compute_capability: tuple[int, int]
+    pcie: PcieLink
+
+
+@dataclass(frozen=True)
+class GpuReadings:
+    driver_version: str | None = None
+    cuda_driver: tuple[int, int] | None = None  # the newest CUDA the driver supports
+    devices: tuple[GpuDevice, ...] = ()
+    error: str | None = None  # NVML unusable although the machine has NVIDIA device nodes
+
+
+def device_nodes(dev: Path = Path("/dev")) -> dict[str, bool]:
+    """Each /dev/nvidia* character device → whether this process may read and write it."""
+    try:
+        paths = sorted(dev.glob("nvidia*"))
+    except OSError:
+        return {}
+    return {str(p): os.access(p, os.R_OK | os.W_OK) for p in paths if not p.is_dir()}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _optional_int(getter: Any, handle: Any) -> int | None:
+    try:
+        return int(getter(handle))
+    except pynvml.NVMLError:
+        return None
+
+
+def _sysfs_link(bus_id: str) -> PcieLink:
+    """The link as the kernel reports it (`0000:18:00.0/current_link_speed` = '32.0 GT/s PCIe')."""
+    domain, _, rest = bus_id.lower().partition(":")
+    device = _SYSFS_PCI / f"{domain[-4:]}:{rest}"
+
+    def read(name: str) -> str | None:
+        try:
+            return (device / name).read_text().strip()
+        except OSError:
+            return None
+
+    def gen(name: str) -> int | None:
+        speed = read(name)
+        return _GT_PER_GEN.get(speed.split()[0]) if speed else None
+
+    def width(name: str) -> int | None:
+        value = read(name)
+        return int(value) if value and value.isdigit() else None
+
+    return PcieLink(
+        gen("current_link_speed"), width("current_link_width"), gen("max_link_speed"), width("max_link_width")
+    )
+
+
+def _pcie(handle: Any) -> PcieLink:
+    link = PcieLink(
+        _optional_int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+        _optional_int(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+        _optional_int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+        _optional_int(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+    )
+    if link.gen is not None and link.width is not None:
+        return link
+    try:
+        return _sysfs_link(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+    except pynvml.NVMLError:
+        return link
+
+
+def _device(index: int) -> GpuDevice:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    return GpuDevice(
+        index=index,
+        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+        memory_free=int(memory.free),
+        memory_total=int(memory.total),
+        compute_capability=(int(major), int(minor)),
+        pcie=_pcie(handle),
+    )
+
+
+def read_gpus() -> GpuReadings:
+    """Driver, CUDA driver version and every GPU; empty readings on a machine without an NVIDIA driver."""
+    has_nodes = Path("/dev/nvidiactl").exists()
+    if pynvml is None:
+        return GpuReadings(error="nvidia-ml-py is not installed" if has_nodes else None)
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:  # LibraryNotFound / DriverNotLoaded where there is no GPU
+        return GpuReadings(error=f"NVML init failed: {exc}" if has_nodes else None)
+    try:
+        cuda = int(pynvml.nvmlSystemGetCudaDriverVersion())
+        return GpuReadings(
+            driver_version=_text(pynvml.nvmlSystemGetDriverVersion()),
+            cuda_driver=(cuda // 1000, cuda % 1000 // 10),
+            devices=tuple(_device(i) for i in range(int(pynvml.nvmlDeviceGetCount()))),
+        )
+    except pynvml.NVMLError as exc:
+        return GpuReadings(error=f"NVML: {exc}")
+    finally:
+        pynvml.nvmlShutdown()
