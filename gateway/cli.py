@@ -25,6 +25,7 @@ from gateway.supervisor.cli import (
     show_profiles,
     show_status,
 )
+from gateway.supervisor.doctor import add_doctor_parser, run_doctor
 
 logger = logging.getLogger("gateway")
 
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = engine_verbs.add_parser("status", help="the supervisor's state; exit 0 when the engine is ready")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     engine_verbs.add_parser("profiles", help="list the engine profiles and their vLLM flags")
+
+    doctor = add_doctor_parser(verbs)
+    _add_common(doctor)
 
     up = verbs.add_parser("up", help="engine supervisor and gateway together, in the foreground")
     up.add_argument("--host", help="gateway listen address (NEMOTRON_HOST)")
@@ -121,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.engine_verb == "profiles":
             return show_profiles(settings)
         return run_engine(settings)
+    if args.verb == "doctor":
+        return run_doctor(args, settings)
     if args.verb == "up":
         return run_up(settings, args.env_file)
     raise AssertionError(f"unhandled verb {args.verb}")

@@ -22,9 +22,10 @@ from prometheus_client import start_http_server
 
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import Settings
+from gateway.supervisor.doctor import doctor_config, fatal_failures, render_table, run_checks
 from gateway.supervisor.launch import prepare
 from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.profiles import ProfileError, load_profiles
+from gateway.supervisor.profiles import Profile, ProfileError, load_profiles
 from gateway.supervisor.state import EngineState, EngineStatus, read_status
 from gateway.supervisor.supervisor import EngineSupervisor
 
@@ -103,8 +104,20 @@ def show_profiles(settings: Settings) -> int:
     return 0
 
 
+def _preflight(settings: Settings, profile: Profile) -> None:
+    """The doctor's checks; the fatal ones stop the start (the rest are logged)."""
+    checks = run_checks(doctor_config(settings, profile))
+    for check in checks:
+        if check.status in ("warn", "fail") and not check.blocks_start:
+            logger.warning("preflight %s: %s (%s)", check.name, check.measured, check.fix)
+    if fatal := fatal_failures(checks):
+        raise ProfileError("preflight checks failed (see `nemotron-gateway doctor`):\n" + render_table(fatal))
+
+
 def _build_supervisor(settings: Settings) -> EngineSupervisor:
     profile, argv, env = prepare(settings)
+    if settings.engine.run_doctor:
+        _preflight(settings, profile)
     status = EngineStatus(
         profile=profile.name,
         model=settings.engine.model or "",

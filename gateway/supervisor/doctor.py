@@ -12,9 +12,8 @@ import os
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from gateway.settings import Settings
 from gateway.supervisor.check import NO_GPU, Check, Status, skipped, worst
@@ -49,6 +48,7 @@ from gateway.supervisor.checks_host import (
 )
 from gateway.supervisor.checks_model import check_model_dir, resolve_model
 from gateway.supervisor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
+from gateway.supervisor.profiles import Profile, ProfileError, load_profiles, select_profile
 
 __all__ = [
     "Check",
@@ -253,33 +253,66 @@ def render_json(checks: Sequence[Check]) -> str:
 def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """The `doctor` verb and its flags (defaults: the profiles' common values)."""
     parser = subparsers.add_parser("doctor", help="check this machine, the model and Redis before starting the engine")
-    parser.add_argument("--model", help="model directory or hub id (org/name); model rows are skipped without it")
+    parser.add_argument(
+        "--model", help="model directory or hub id (default NEMOTRON_ENGINE__MODEL; model rows skipped without one)"
+    )
     parser.add_argument("--tokenizer", help="tokenizer directory or hub id, where it differs from the model")
     parser.add_argument("--chat-template", type=Path, help="the chat template file the engine will be given")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="context length to serve (default 4096)")
+    parser.add_argument("--max-model-len", type=int, help="context length to serve (default: the profile's)")
     parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.90, help="share of GPU memory vLLM takes (default 0.90)"
+        "--gpu-memory-utilization", type=float, help="share of GPU memory vLLM takes (default: the profile's)"
     )
-    parser.add_argument("--engine-port", type=int, help="port vllm serve binds on 127.0.0.1 (default: engine_url's)")
+    parser.add_argument("--profile", help="engine profile whose values are checked (default NEMOTRON_ENGINE__PROFILE)")
+    parser.add_argument("--engine-port", type=int, help="port vllm serve binds on 127.0.0.1 (default: the engine's)")
     parser.add_argument("--cache-dir", type=Path, help="model cache directory (default: HF_HUB_CACHE / HF_HOME)")
     parser.add_argument("--cpu", action="store_true", help="the CPU profile: a missing GPU is not a failure")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
-def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
-    """Run every check with the flags in `args`, write the table (or JSON) to stdout, return the exit code."""
-    engine = urlsplit(settings.engine_url)
-    config = DoctorConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        chat_template=args.chat_template,
-        max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        engine_port=args.engine_port or engine.port or 8001,
+def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
+    """What the engine would be started with: the settings and the profile's flags."""
+    flags = profile.flags
+    max_model_len = flags.get("max-model-len")
+    utilization = flags.get("gpu-memory-utilization")
+    return DoctorConfig(
+        model=settings.engine.model,
+        tokenizer=str(flags["tokenizer"]) if "tokenizer" in flags else None,
+        chat_template=Path(str(flags["chat-template"])) if "chat-template" in flags else None,
+        max_model_len=int(max_model_len) if isinstance(max_model_len, int) else None,
+        gpu_memory_utilization=float(utilization) if isinstance(utilization, int | float) else 0.90,
+        engine_port=settings.engine.port,
         redis_url=settings.redis_url.get_secret_value(),
-        cache_dir=args.cache_dir,
-        cpu=args.cpu,
+        # A profile without a GPU memory share is a CPU profile (cpu-dev): no GPU is needed.
+        cpu=utilization is None,
+    )
+
+
+def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    """Run every check for the configured engine (flags override), write the table or JSON, return the exit code."""
+    if args.profile is not None:
+        settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"profile": args.profile})})
+    try:
+        profile = select_profile(load_profiles(settings.engine.profiles_file), settings.engine.profile)
+    except ProfileError as exc:
+        sys.stderr.write(f"nemotron-gateway doctor: {exc}\n")
+        return 2
+    config = replace(
+        doctor_config(settings, profile),
+        **{
+            name: value
+            for name, value in {
+                "model": args.model,
+                "tokenizer": args.tokenizer,
+                "chat_template": args.chat_template,
+                "max_model_len": args.max_model_len,
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "engine_port": args.engine_port,
+                "cache_dir": args.cache_dir,
+                "cpu": True if args.cpu else None,
+            }.items()
+            if value is not None
+        },
     )
     checks = run_checks(config)
     sys.stdout.write(render_json(checks) if args.json else render_table(checks))
