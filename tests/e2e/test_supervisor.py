@@ -33,6 +33,8 @@ def engine_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:
         "NEMOTRON_ENGINE__PROBE_FAILURES": "2",
         "NEMOTRON_ENGINE__BACKOFF_INITIAL": "0.2",
         "NEMOTRON_ENGINE__STOP_GRACE": "1.5",
+        # The fake engine needs no model directory; the preflight has its own test below.
+        "NEMOTRON_ENGINE__RUN_DOCTOR": "false",
         **extra,
     }
 
@@ -171,6 +173,10 @@ def test_crash_loop_ends_in_failed_with_a_nonzero_exit(state_dir: Path) -> None:
     [
         ({"NEMOTRON_ENGINE__PROFILE": "turbo"}, "unknown engine profile 'turbo'; choose one of"),
         ({"NEMOTRON_ENGINE__MODEL": ""}, "no model configured"),
+        (
+            {"NEMOTRON_ENGINE__RUN_DOCTOR": "true", "NEMOTRON_ENGINE__MODEL": "/nonexistent/model"},
+            "preflight checks failed",
+        ),
     ],
 )
 def test_bad_configuration_fails_fast_with_a_clear_message(state_dir: Path, extra: dict[str, str], phrase: str) -> None:
