@@ -1,0 +1,302 @@
+"""The gateway's overhead: one workload sent directly to a stub engine and through the gateway, interleaved.
+
+The gateway runs pinned to core 0; the stub engine and this process (the load generator) share core 1.
+Reports medians across rounds: latency direct vs gateway, saturation requests/s, and the gateway's own
+CPU time per request and per relayed chunk from /proc/<pid>/stat. Imports nothing from `gateway`.
+
+    python -m loadtest.overhead [--duration S] [--rounds K] [--concurrency 1 32] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtest.phases import CpuMeter, PhaseRecord, Workload, chunk_cost_us, median, pick, records_json, run_phase
+from loadtest.processes import BenchProcess, can_pin, free_port, pin_self, python_argv, revision
+
+GATEWAY, ENGINE = "gateway", "engine"
+DIRECT = "direct"
+TARGETS = {"ms_per_request": 0.6, "us_per_chunk": 25.0, "rps": 1500.0, "added_p50_ms_c1": 1.0}
+GATEWAY_ENV = {"NEMOTRON_ACCESS_LOG": "false", "NEMOTRON_LOG_LEVEL": "warning"}
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The run's shape, from the command line."""
+
+    duration: float
+    rounds: int
+    warmup: float
+    concurrency: tuple[int, ...]
+    stream_concurrency: int
+    chunks: tuple[int, int]
+    chunk_delay: float
+    max_requests: int
+    pin: bool
+
+
+def workloads(options: Options) -> list[Workload]:
+    """Non-streamed at each concurrency, then streamed at two chunk counts (the slope is the cost per chunk)."""
+    plain = [Workload(f"non-stream c={c}", c, False, 16) for c in options.concurrency]
+    sc = options.stream_concurrency
+    streams = [Workload(f"stream {n} chunks c={sc}", sc, True, n) for n in options.chunks]
+    return plain + streams
+
+
+async def measure(options: Options, urls: dict[str, str], meter: CpuMeter) -> list[PhaseRecord]:
+    """Warm up (discarded), then every workload against both targets per round, alternating which goes first."""
+    records: list[PhaseRecord] = []
+    plan = workloads(options)
+    for workload in plan:
+        for url in urls.values():
+            await run_phase(-1, workload, "warmup", url, meter, duration=options.warmup, max_requests=100_000)
+    for round_no in range(options.rounds):
+        for workload in plan:
+            order = [DIRECT, GATEWAY] if round_no % 2 == 0 else [GATEWAY, DIRECT]
+            for target in order:
+                record = await run_phase(
+                    round_no,
+                    workload,
+                    target,
+                    urls[target],
+                    meter,
+                    duration=options.duration,
+                    max_requests=options.max_requests,
+                )
+                records.append(record)
+                sys.stderr.write(
+                    f"round {round_no} {workload.name:<24} {target:<8} {record.rps:8.0f} req/s "
+                    f"p50 {record.p50_ms:7.3f} ms  gateway cpu {record.cpu_per_request_ms(GATEWAY):.3f} ms/req"
+                    f"{f'  ERRORS {record.errors}: {record.first_error}' if record.errors else ''}\n"
+                )
+    return records
+
+
+def _paired(records: list[PhaseRecord], workload: str, attr: str) -> float:
+    """Median over rounds of gateway minus direct for one attribute."""
+    direct = {r.round: getattr(r, attr) for r in pick(records, workload, DIRECT)}
+    return median(getattr(r, attr) - direct[r.round] for r in pick(records, workload, GATEWAY) if r.round in direct)
+
+
+def _chunk_cost_us(records: list[PhaseRecord], options: Options, plain_ms: float) -> tuple[float, float]:
+    """µs of gateway CPU per relayed chunk: slope between the two chunk counts, and (stream - plain) / events."""
+    few, many = (w for w in workloads(options) if w.stream)
+    slope = chunk_cost_us(records, GATEWAY, (few, many))
+    # Events per stream: the content chunks, the usage chunk and [DONE].
+    per_stream = median(r.cpu_per_request_ms(GATEWAY) for r in pick(records, many.name, GATEWAY))
+    return slope, (per_stream - plain_ms) * 1000 / (many.chunks + 2)
+
+
+def _fmt(value: float, digits: int = 3) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def summarize(records: list[PhaseRecord], options: Options) -> tuple[list[list[str]], dict[str, Any]]:
+    """Markdown rows and the JSON summary."""
+    rows: list[list[str]] = []
+    summary: dict[str, Any] = {}
+    saturation = f"non-stream c={max(options.concurrency)}"
+    for workload in workloads(options):
+        name = workload.name
+        d, g = pick(records, name, DIRECT), pick(records, name, GATEWAY)
+        entry = {
+            "direct_p50_ms": median(r.p50_ms for r in d),
+            "gateway_p50_ms": median(r.p50_ms for r in g),
+            "added_p50_ms": _paired(records, name, "p50_ms"),
+            "direct_p99_ms": median(r.p99_ms for r in d),
+            "gateway_p99_ms": median(r.p99_ms for r in g),
+            "added_p99_ms": _paired(records, name, "p99_ms"),
+            "direct_rps": median(r.rps for r in d),
+            "gateway_rps": median(r.rps for r in g),
+            "gateway_cpu_ms_per_request": median(r.cpu_per_request_ms(GATEWAY) for r in g),
+            "gateway_cpu_sys_share": median(r.sys_share(GATEWAY) for r in g),
+            "engine_cpu_ms_per_request": median(r.cpu_per_request_ms(ENGINE) for r in d),
+            "gateway_core_busy": median(r.busy(GATEWAY) for r in g),
+            "core1_busy_through_gateway": median(r.busy(ENGINE, "loadgen") for r in g),
+            "gateway_run_queue_wait": median(r.waiting(GATEWAY) for r in g),
+            "errors": sum(r.errors for r in d + g),
+        }
+        if workload.stream:
+            entry["direct_first_byte_p50_ms"] = median(r.first_byte_p50_ms for r in d)
+            entry["gateway_first_byte_p50_ms"] = median(r.first_byte_p50_ms for r in g)
+            entry["direct_reads_per_stream"] = median(r.reads_per_request for r in d)
+            entry["gateway_reads_per_stream"] = median(r.reads_per_request for r in g)
+        summary[name] = entry
+        rows.append(
+            [
+                name,
+                f"{_fmt(entry['direct_p50_ms'])} / {_fmt(entry['direct_p99_ms'])}",
+                f"{_fmt(entry['gateway_p50_ms'])} / {_fmt(entry['gateway_p99_ms'])}",
+                f"{_fmt(entry['added_p50_ms'])} / {_fmt(entry['added_p99_ms'])}",
+                f"{entry['direct_rps']:.0f} / {entry['gateway_rps']:.0f}",
+                f"{_fmt(entry['gateway_cpu_ms_per_request'])} ({entry['gateway_cpu_sys_share'] * 100:.0f}%)",
+                f"{entry['gateway_core_busy'] * 100:.0f}% / {entry['core1_busy_through_gateway'] * 100:.0f}%",
+                f"{entry['gateway_run_queue_wait'] * 100:.0f}%",
+                str(entry["errors"]),
+            ]
+        )
+    plain_ms = summary[saturation]["gateway_cpu_ms_per_request"]
+    slope, minus_plain = _chunk_cost_us(records, options, plain_ms)
+    c1 = f"non-stream c={min(options.concurrency)}"
+    summary["targets"] = {
+        "gateway_cpu_ms_per_request": [plain_ms, TARGETS["ms_per_request"], plain_ms <= TARGETS["ms_per_request"]],
+        "gateway_cpu_us_per_chunk_slope": [slope, TARGETS["us_per_chunk"], slope <= TARGETS["us_per_chunk"]],
+        "gateway_cpu_us_per_chunk_minus_plain": [minus_plain, TARGETS["us_per_chunk"], None],
+        "gateway_rps_saturation": [
+            summary[saturation]["gateway_rps"],
+            TARGETS["rps"],
+            summary[saturation]["gateway_rps"] >= TARGETS["rps"],
+        ],
+        "added_p50_ms_c1": [
+            summary[c1]["added_p50_ms"],
+            TARGETS["added_p50_ms_c1"],
+            summary[c1]["added_p50_ms"] < TARGETS["added_p50_ms_c1"],
+        ],
+    }
+    return rows, summary
+
+
+def render(rows: list[list[str]], summary: dict[str, Any], options: Options) -> str:
+    """The Markdown report."""
+    header = [
+        "workload",
+        "direct p50/p99 ms",
+        "gateway p50/p99 ms",
+        "added p50/p99 ms",
+        "req/s direct/gw",
+        "gw CPU ms/req (kernel share)",
+        "core0/core1 busy",
+        "gw waited for CPU",
+        "errors",
+    ]
+    lines = [
+        f"Medians of {options.rounds} interleaved rounds, {options.duration:g} s per phase; gateway pinned to core 0, "
+        f"engine + load generator on core 1{'' if options.pin else ' (NOT pinned)'}; "
+        f"stream chunk delay {options.chunk_delay * 1000:g} ms. 'gw waited for CPU': share of wall time the "
+        "gateway's event loop was runnable but not running (other load on core 0; 0% on a quiet machine).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        "| target | measured | limit | verdict |",
+        "|---|---|---|---|",
+    ]
+    labels = {
+        "gateway_cpu_ms_per_request": "gateway CPU ms / non-stream request (saturation)",
+        "gateway_cpu_us_per_chunk_slope": "gateway CPU µs / relayed chunk (slope between chunk counts)",
+        "gateway_cpu_us_per_chunk_minus_plain": "gateway CPU µs / chunk ((stream - non-stream) / events)",
+        "gateway_rps_saturation": "gateway non-stream req/s at saturation",
+        "added_p50_ms_c1": "added p50 ms at concurrency 1",
+    }
+    for key, (value, limit, ok) in summary["targets"].items():
+        comparison = "≥" if key == "gateway_rps_saturation" else ("<" if key == "added_p50_ms_c1" else "≤")
+        lines.append(
+            f"| {labels[key]} | {_fmt(value)} | {comparison} {limit:g} | {'-' if ok is None else _verdict(ok)} |"
+        )
+    streams = [w for w in workloads(options) if w.stream]
+    lines += ["", "| stream | first byte p50 direct/gw ms | client reads per stream direct/gw |", "|---|---|---|"]
+    for workload in streams:
+        e = summary[workload.name]
+        lines.append(
+            f"| {workload.name} | {_fmt(e['direct_first_byte_p50_ms'])} / {_fmt(e['gateway_first_byte_p50_ms'])} | "
+            f"{_fmt(e['direct_reads_per_stream'], 1)} / {_fmt(e['gateway_reads_per_stream'], 1)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(options: Options) -> list[PhaseRecord]:
+    """Start the stub engine and the gateway, measure, stop both."""
+    engine_port, gateway_port = free_port(), free_port()
+    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+    pin = options.pin
+    engine = BenchProcess(
+        ENGINE,
+        python_argv("loadtest.stub_engine", "--port", str(engine_port), "--chunk-delay", str(options.chunk_delay)),
+        core=1 if pin else None,
+    )
+    gateway_cmd = Path(sys.executable).with_name("nemotron-gateway")
+    gateway = BenchProcess(
+        GATEWAY,
+        [str(gateway_cmd), "serve", "--host", "127.0.0.1", "--port", str(gateway_port), "--engine-url", engine_url],
+        core=0 if pin else None,
+        env=GATEWAY_ENV,
+    )
+    if pin:
+        pin_self(1)
+    with engine, gateway:
+        engine.wait_http(engine_url + "/health")
+        gateway.wait_http(gateway_url + "/health")
+        meter = CpuMeter({GATEWAY: gateway.pid, ENGINE: engine.pid})
+        urls = {DIRECT: engine_url + "/v1/chat/completions", GATEWAY: gateway_url + "/v1/chat/completions"}
+        return asyncio.run(measure(options, urls, meter))
+
+
+def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
+    """Options and the optional JSON output path."""
+    parser = argparse.ArgumentParser(prog="python -m loadtest.overhead", description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=2.0, help="seconds per measured phase")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (medians are reported)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of discarded load per phase kind")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="non-stream concurrency levels")
+    parser.add_argument("--stream-concurrency", type=int, default=64)
+    parser.add_argument("--chunks", type=int, nargs=2, default=[16, 64], metavar=("FEW", "MANY"))
+    parser.add_argument(
+        "--chunk-delay",
+        type=float,
+        default=0.01,
+        help="engine's seconds between two chunks of one stream (long enough that a relay reads them one by one)",
+    )
+    parser.add_argument("--max-requests", type=int, default=200_000, help="bound on requests per phase")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    parser.add_argument("--json", type=Path, help="also write the records and summary here")
+    args = parser.parse_args(argv)
+    few, many = sorted(args.chunks)
+    if few == many:
+        parser.error("--chunks needs two different counts")
+    options = Options(
+        duration=args.duration,
+        rounds=max(1, args.rounds),
+        warmup=args.warmup,
+        concurrency=tuple(sorted(set(args.concurrency))),
+        stream_concurrency=args.stream_concurrency,
+        chunks=(few, many),
+        chunk_delay=args.chunk_delay,
+        max_requests=args.max_requests,
+        pin=can_pin() and not args.no_pin,
+    )
+    return options, args.json
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m loadtest.overhead`."""
+    options, json_path = parse_options(argv)
+    records = run(options)
+    rows, summary = summarize(records, options)
+    sys.stdout.write(f"Gateway overhead at {revision()}\n\n" + render(rows, summary, options))
+    if json_path is not None:
+        report: dict[str, Any] = {"revision": revision(), "options": _options_json(options)}
+        report |= {"summary": summary, "records": records_json(records)}
+        json_path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+def _options_json(options: Options) -> dict[str, Any]:
+    return {name: getattr(options, name) for name in Options.__slots__}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
