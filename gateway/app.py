@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -53,6 +54,32 @@ async def _unknown_route(request: Request) -> Response:
     raise RouteNotFoundError(f"{request.method} {request.url.path} is not served here; the gateway serves {_SERVED}.")
 
 
+class _CompletionRoutes:
+    """POST /v1/chat/completions and /v1/completions straight to their handlers.
+
+    Starlette's routing layers cost ~14% of the gateway's CPU per request (loadtest profile); the two
+    hot routes skip them. Errors are answered exactly as the app's handlers answer them.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.routes = {"/v1/chat/completions": openai.chat_completions, "/v1/completions": openai.completions}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await handler(request)
+        except GatewayError as exc:
+            response = _error_response(exc)
+        except Exception as exc:
+            response = await _on_unexpected_error(request, exc)
+        await response(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the gateway app; `settings` defaults to the environment (and env file)."""
     settings = settings or Settings()
@@ -84,5 +111,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(GatewayError, _on_gateway_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(Exception, _on_unexpected_error)
+    app.add_middleware(_CompletionRoutes)
     app.add_middleware(RequestContextMiddleware, metrics=gateway_metrics, access_log=settings.access_log)
     return app

@@ -79,6 +79,54 @@ def error_event(error: GatewayError) -> bytes:
     return b"data: " + error.to_json() + b"\n\n"
 
 
+class _SilenceAlarm:
+    """One timer per stream that interrupts a read silent for `heartbeat` (a keep-alive is due) or
+    `chunk_timeout` (the engine froze) seconds.
+
+    An `asyncio.timeout` around every read cost ~10 µs a chunk; here a chunk only stores the time.
+    The alarm cancels the pump only while it waits on the engine (`reading`), never mid-send.
+    """
+
+    def __init__(self, task: asyncio.Task[Any], heartbeat: float, chunk_timeout: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = task
+        self._heartbeat = heartbeat
+        self._chunk_timeout = chunk_timeout
+        self._last_data = self._last_beat = self._loop.time()
+        self.reading = False
+        self.fired: str | None = None
+        self._handle = self._loop.call_at(self._due(), self._check)
+
+    def _due(self) -> float:
+        return min(max(self._last_data, self._last_beat) + self._heartbeat, self._last_data + self._chunk_timeout)
+
+    def _check(self) -> None:
+        now, due = self._loop.time(), self._due()
+        if now < due or not self.reading:
+            self._handle = self._loop.call_at(max(due, now + 0.05), self._check)
+            return
+        self.fired = "timeout" if now - self._last_data >= self._chunk_timeout else "heartbeat"
+        self._task.cancel()
+
+    def data(self) -> None:
+        """A chunk arrived."""
+        self._last_data = self._loop.time()
+
+    def take(self) -> str | None:
+        """What fired (and clear it)."""
+        fired, self.fired = self.fired, None
+        return fired
+
+    def beat(self) -> None:
+        """A keep-alive was sent: re-arm."""
+        self._last_beat = self._loop.time()
+        self._handle = self._loop.call_at(self._due(), self._check)
+
+    def close(self) -> None:
+        """Stop the timer."""
+        self._handle.cancel()
+
+
 class SSERelay:
     """An ASGI response that pumps one engine stream to the client."""
 
@@ -112,54 +160,64 @@ class SSERelay:
 
     async def _pump(self, send: Send) -> None:
         content = self._upstream.content
-        heartbeat = self._settings.heartbeat_interval
-        chunk_timeout = self._settings.chunk_timeout
+        task = asyncio.current_task()
+        assert task is not None
+        alarm = _SilenceAlarm(task, self._settings.heartbeat_interval, self._settings.chunk_timeout)
         carry = b""
-        last_data = time.monotonic()
-        while True:
-            wait = min(heartbeat, last_data + chunk_timeout - time.monotonic())
-            try:
-                async with asyncio.timeout(wait):
+        try:
+            while True:
+                alarm.reading = True
+                try:
                     chunk = await content.readany()
-            except TimeoutError:
-                if time.monotonic() - last_data >= chunk_timeout:
+                except asyncio.CancelledError:
+                    # Our own alarm interrupted the read; any other cancellation goes on.
+                    if alarm.fired is None or task.cancelling() > 1:
+                        raise
+                    task.uncancel()
+                    if alarm.take() == "timeout":
+                        await self._fail(
+                            send,
+                            "timeout",
+                            EngineTimeoutError(
+                                f"The model engine sent nothing for {self._settings.chunk_timeout:g} s; "
+                                "the stream was ended."
+                            ),
+                        )
+                        return
+                    await send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
+                    alarm.beat()
+                    continue
+                except aiohttp.ClientError:
                     await self._fail(
                         send,
-                        "timeout",
-                        EngineTimeoutError(
-                            f"The model engine sent nothing for {chunk_timeout:g} s; the stream was ended."
+                        "stream_broken",
+                        EngineUnavailableError(
+                            "The model engine stopped in the middle of the stream; the answer is incomplete."
                         ),
                     )
                     return
-                await send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
-                continue
-            except aiohttp.ClientError:
-                await self._fail(
-                    send,
-                    "stream_broken",
-                    EngineUnavailableError(
-                        "The model engine stopped in the middle of the stream; the answer is incomplete."
-                    ),
-                )
-                return
-            if not chunk:
-                break
-            last_data = time.monotonic()
-            if self._record.first_chunk_at is None:
-                self._record.first_chunk_at = time.perf_counter()
-            if carry:
-                chunk, carry = carry + chunk, b""
-            if not chunk.endswith(b"\n"):
-                # Hold back a partial line: nobody can act on it, and the usage line must be whole.
-                cut = chunk.rfind(b"\n") + 1
-                chunk, carry = chunk[:cut], chunk[cut:]
+                finally:
+                    alarm.reading = False
                 if not chunk:
-                    continue
-            if _USAGE_MARKERS[0] in chunk or _USAGE_MARKERS[1] in chunk:
-                chunk = self._take_usage(chunk)
-            if chunk[-24:].rstrip().endswith(_DONE):
-                self._saw_done = True
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    break
+                alarm.data()
+                if self._record.first_chunk_at is None:
+                    self._record.first_chunk_at = time.perf_counter()
+                if carry:
+                    chunk, carry = carry + chunk, b""
+                if not chunk.endswith(b"\n"):
+                    # Hold back a partial line: nobody can act on it, and the usage line must be whole.
+                    cut = chunk.rfind(b"\n") + 1
+                    chunk, carry = chunk[:cut], chunk[cut:]
+                    if not chunk:
+                        continue
+                if _USAGE_MARKERS[0] in chunk or _USAGE_MARKERS[1] in chunk:
+                    chunk = self._take_usage(chunk)
+                if chunk[-24:].rstrip().endswith(_DONE):
+                    self._saw_done = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            alarm.close()
         if carry:
             await send({"type": "http.response.body", "body": carry, "more_body": True})
         if not self._saw_done:
