@@ -1,1 +1,24 @@
-"""Placeholder package; filled by its own issue."""
+"""Per-key requests/min, tokens/min and concurrency, held across processes in Redis; the failed-auth guard."""
+
+from gateway.ratelimit.guard import FailedAuthGuard
+from gateway.ratelimit.limiter import (
+    EffectiveLimits,
+    Lease,
+    LimitedKey,
+    RateLimiter,
+    estimate_tokens,
+    format_reset,
+)
+from gateway.ratelimit.redis import RedisRateLimiter, Usage
+
+__all__ = [
+    "EffectiveLimits",
+    "FailedAuthGuard",
+    "Lease",
+    "LimitedKey",
+    "RateLimiter",
+    "RedisRateLimiter",
+    "Usage",
+    "estimate_tokens",
+    "format_reset",
+]

@@ -1,0 +1,318 @@
+"""The `nemotron-gateway keys ...` verbs: create, list, show, revoke, rotate and set API keys in Redis.
+
+Talks to Redis directly with the server's settings. A new secret is printed alone on the last line of
+stdout (for scripts: `| tail -n1`) and nowhere else. Exit codes: 0 done, 1 failed, 2 bad usage.
+Reads usage through `gateway.ratelimit`, which owns the counters it writes when requests end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
+
+from gateway.auth.keys import ApiKey, KeyExistsError, KeyLimits, KeyNotFoundError, KeyRevokedError
+from gateway.auth.store import KeyStore
+from gateway.errors import GatewayError, InvalidRequestError, KeyStoreUnavailableError
+from gateway.ratelimit import RedisRateLimiter, Usage
+from gateway.settings import Settings
+from gateway.store import connect_redis
+
+_DURATION_PART = re.compile(r"(\d+)([smhdw])")
+_DURATION = re.compile(r"(?:\d+[smhdw])+")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+_ALL_MODELS = "*"
+_LIMIT_FLAGS = (
+    ("rpm", "requests_per_minute", "requests per minute"),
+    ("tpm", "tokens_per_minute", "tokens (prompt + completion) per minute"),
+    ("max_concurrency", "max_concurrency", "requests in flight at once"),
+)
+
+
+def parse_duration(text: str) -> timedelta:
+    """`30d`, `12h`, `90m`, `45s`, `2w` or combinations such as `1d12h`; ValueError otherwise."""
+    value = text.strip().lower()
+    if not _DURATION.fullmatch(value):
+        raise ValueError(f"invalid duration {text!r}: use e.g. 30d, 12h, 90m, 45s or 1d12h")
+    seconds = sum(int(amount) * _UNITS[unit] for amount, unit in _DURATION_PART.findall(value))
+    if seconds <= 0:
+        raise ValueError(f"invalid duration {text!r}: must be longer than zero")
+    return timedelta(seconds=seconds)
+
+
+def add_keys_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `keys` and its verbs to the top-level CLI."""
+    keys = subparsers.add_parser("keys", help="Manage API keys (stored in Redis).", description=__doc__)
+    verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="VERB")
+
+    create = verbs.add_parser("create", help="Create a key; prints its secret on the last line.")
+    create.add_argument("--name", required=True, help="Unique name: letters, digits, '.', '_', '-'.")
+    _add_limit_flags(create)
+    create.add_argument("--expires-in", type=_duration_arg, metavar="DURATION", help="e.g. 30d, 12h, 90m.")
+    create.add_argument("--models", type=_models_arg, metavar="M,...", help="Models the key may use (default all).")
+
+    listing = verbs.add_parser("list", help="List keys.")
+    listing.add_argument("--json", action="store_true", help="JSON instead of a table.")
+
+    show = verbs.add_parser("show", help="Show one key and its usage today.")
+    show.add_argument("name")
+    show.add_argument("--json", action="store_true", help="JSON instead of text.")
+
+    revoke = verbs.add_parser("revoke", help="Revoke a key for good (within a second, on every gateway).")
+    revoke.add_argument("name")
+
+    rotate = verbs.add_parser("rotate", help="Replace a key's secret; prints the new one on the last line.")
+    rotate.add_argument("name")
+
+    update = verbs.add_parser("set", help="Change a key's limits, models or disabled flag.")
+    update.add_argument("name")
+    _add_limit_flags(update, allow_default=True)
+    update.add_argument(
+        "--models", type=_models_arg, default=argparse.SUPPRESS, metavar="M,...", help="Models ('*': all)."
+    )
+    enabled = update.add_mutually_exclusive_group()
+    enabled.add_argument("--disable", dest="disabled", action="store_true", default=None, help="Disable the key.")
+    enabled.add_argument("--enable", dest="disabled", action="store_false", help="Enable it again.")
+
+
+def run_keys(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the `keys` verb in `args`; returns the exit code."""
+    try:
+        return asyncio.run(_run(args, settings))
+    except KeyStoreUnavailableError:
+        _fail("Redis is unreachable; check NEMOTRON_REDIS_URL and that Redis is running.")
+        return 1
+    except (KeyExistsError, KeyNotFoundError, KeyRevokedError) as exc:
+        _fail(exc.message)
+        return 1
+    except InvalidRequestError as exc:
+        _fail(exc.message)
+        return 2
+    except GatewayError as exc:
+        _fail(exc.message)
+        return 1
+
+
+async def _run(args: argparse.Namespace, settings: Settings) -> int:
+    redis = connect_redis(settings)
+    try:
+        store = KeyStore(redis, settings)
+        limiter = RedisRateLimiter(redis, settings)
+        verb: str = args.keys_verb
+        if verb == "create":
+            await _create(store, args)
+        elif verb == "list":
+            await _list(store, limiter, settings, as_json=args.json)
+        elif verb == "show":
+            await _show(store, limiter, settings, args.name, as_json=args.json)
+        elif verb == "revoke":
+            await store.revoke(args.name)
+            _out(f"Revoked API key '{args.name}'; it stops working on every gateway within a second.")
+        elif verb == "rotate":
+            secret = await store.rotate(args.name)
+            _out(f"Rotated API key '{args.name}'; the old secret no longer works. New secret (shown once):")
+            _out(secret)
+        elif verb == "set":
+            await _set(store, args)
+        else:
+            raise InvalidRequestError(f"unknown verb {verb!r}")
+    finally:
+        await redis.aclose()
+    return 0
+
+
+async def _create(store: KeyStore, args: argparse.Namespace) -> None:
+    expires_in: timedelta | None = args.expires_in
+    key, secret = await store.create(
+        args.name,
+        KeyLimits(
+            requests_per_minute=getattr(args, "rpm", None),
+            tokens_per_minute=getattr(args, "tpm", None),
+            max_concurrency=getattr(args, "max_concurrency", None),
+        ),
+        expires_at=datetime.now(UTC) + expires_in if expires_in is not None else None,
+        models=None if args.models in (None, [_ALL_MODELS]) else args.models,
+    )
+    _out(f"Created API key '{key.name}' ({key.prefix}...). Store the secret now; it cannot be shown again:")
+    _out(secret)
+
+
+async def _set(store: KeyStore, args: argparse.Namespace) -> None:
+    changes_limits = any(hasattr(args, flag) for flag, _, _ in _LIMIT_FLAGS)
+    models: list[str] | None = getattr(args, "models", None)
+    if not changes_limits and models is None and args.disabled is None:
+        raise InvalidRequestError("nothing to change: give --rpm, --tpm, --max-concurrency, --models or --disable")
+    limits = None
+    if changes_limits:
+        own = (await store.get(args.name)).limits
+        limits = KeyLimits(
+            requests_per_minute=getattr(args, "rpm", own.requests_per_minute),
+            tokens_per_minute=getattr(args, "tpm", own.tokens_per_minute),
+            max_concurrency=getattr(args, "max_concurrency", own.max_concurrency),
+        )
+    if limits is not None or models is not None:
+        everything = models == [_ALL_MODELS]
+        await store.set_limits(args.name, limits, None if everything else models, all_models=everything)
+    if args.disabled is not None:
+        await store.set_disabled(args.name, args.disabled)
+    _out(f"Updated API key '{args.name}'; every gateway applies it within a second.")
+
+
+async def _list(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, *, as_json: bool) -> None:
+    keys = await store.list()
+    usage = await limiter.usage([key.name for key in keys])
+    rows = [_describe(key, usage[key.name], settings) for key in keys]
+    if as_json:
+        _out(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
+        return
+    header = ["NAME", "PREFIX", "RPM", "TPM", "CONCURRENCY", "STATE", "CREATED", "LAST USED"]
+    table = [header]
+    for row in rows:
+        table.append(
+            [
+                row["name"],
+                row["prefix"],
+                _limit_cell(row, "requests_per_minute"),
+                _limit_cell(row, "tokens_per_minute"),
+                _limit_cell(row, "max_concurrency"),
+                row["state"],
+                row["created_at"],
+                row["last_used"] or "never",
+            ]
+        )
+    widths = [max(len(line[column]) for line in table) for column in range(len(header))]
+    for line in table:
+        _out("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+    if any("*" in cell for row in table[1:] for cell in row[2:5]):
+        _out("* server default (NEMOTRON_LIMITS__*)")
+
+
+async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, name: str, *, as_json: bool) -> None:
+    key = await store.get(name)
+    row = _describe(key, (await limiter.usage([key.name]))[key.name], settings)
+    if as_json:
+        _out(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode())
+        return
+    for label, value in (
+        ("name", row["name"]),
+        ("prefix", row["prefix"]),
+        ("state", row["state"]),
+        ("created", row["created_at"]),
+        ("expires", row["expires_at"] or "never"),
+        ("requests/min", _limit_cell(row, "requests_per_minute")),
+        ("tokens/min", _limit_cell(row, "tokens_per_minute")),
+        ("max concurrency", _limit_cell(row, "max_concurrency")),
+        ("models", ", ".join(row["models"]) if row["models"] is not None else "all"),
+        ("requests today", str(row["usage_today"]["requests"])),
+        ("tokens today", str(row["usage_today"]["tokens"])),
+        ("last used", row["last_used"] or "never"),
+    ):
+        _out(f"{label + ':':<17}{value}")
+    if any(value is None for value in row["own_limits"].values()):
+        _out("* server default (NEMOTRON_LIMITS__*)")
+
+
+def _describe(key: ApiKey, usage: Usage, settings: Settings) -> dict[str, Any]:
+    """The key and its usage as JSON-ready data; `limits` are effective (null: unlimited), `own_limits` as set."""
+    defaults = settings.limits
+    own = key.limits
+    return {
+        "name": key.name,
+        "prefix": key.prefix,
+        "state": key.state(datetime.now(UTC)).value,
+        "created_at": _when(key.created_at),
+        "expires_at": _when(key.expires_at) if key.expires_at else None,
+        "limits": {
+            "requests_per_minute": _effective(own.requests_per_minute, defaults.requests_per_minute),
+            "tokens_per_minute": _effective(own.tokens_per_minute, defaults.tokens_per_minute),
+            "max_concurrency": _effective(own.max_concurrency, defaults.max_concurrency),
+        },
+        "own_limits": {
+            "requests_per_minute": own.requests_per_minute,
+            "tokens_per_minute": own.tokens_per_minute,
+            "max_concurrency": own.max_concurrency,
+        },
+        "models": list(key.models) if key.models is not None else None,
+        "usage_today": {"day": usage.day.isoformat(), "requests": usage.requests, "tokens": usage.tokens},
+        "last_used": _when(usage.last_used) if usage.last_used else None,
+    }
+
+
+def _effective(own: int | None, default: int | None) -> int | None:
+    value = default if own is None else own
+    return value or None
+
+
+def _limit_cell(row: dict[str, Any], field: str) -> str:
+    value = row["limits"][field]
+    text = "unlimited" if value is None else str(value)
+    return text + "*" if row["own_limits"][field] is None else text
+
+
+def _when(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser, *, allow_default: bool = False) -> None:
+    for flag, _, meaning in _LIMIT_FLAGS:
+        extra = "; 'default': the server default" if allow_default else ""
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}",
+            dest=flag,
+            type=_limit_arg,
+            default=argparse.SUPPRESS,
+            metavar="N",
+            help=f"Limit on {meaning} (0: unlimited{extra}; omitted: {'unchanged' if allow_default else 'default'}).",
+        )
+
+
+def _limit_arg(text: str) -> int | None:
+    if text.strip().lower() == "default":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'default', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("limits are 0 (unlimited) or more")
+    return value
+
+
+def _duration_arg(text: str) -> timedelta:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _models_arg(text: str) -> list[str]:
+    models = [model.strip() for model in text.split(",") if model.strip()]
+    if not models:
+        raise argparse.ArgumentTypeError("name at least one model, or '*' for all")
+    return models
+
+
+def _out(line: str) -> None:
+    sys.stdout.write(line + "\n")
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None, settings: Settings | None = None) -> int:
+    """`python -m gateway.auth.cli keys ...`, for use before the top-level CLI wires these verbs in."""
+    parser = argparse.ArgumentParser(prog="nemotron-gateway")
+    add_keys_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return run_keys(args, settings or Settings())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""FailedAuthGuard: a client address that keeps failing authentication gets 429 for a while.
+
+Imports errors and settings. The address is resolved by the app (uvicorn's forwarded-allow-ips), not here.
+The guard is a brake, not a gate: if Redis is down it lets requests through, and authentication fails closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import redis.asyncio as redis_asyncio
+from redis.exceptions import RedisError
+
+from gateway.errors import RateLimitError
+from gateway.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "nemotron:authfail:"
+_MAX_REMEMBERED = 10_000
+
+# KEYS: failure counter, block flag. ARGV: window ms, limit, block ms. Returns the block in ms, or 0.
+_RECORD_FAILURE = """
+local failures = redis.call('INCR', KEYS[1])
+if failures == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+if failures >= tonumber(ARGV[2]) then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
+  redis.call('DEL', KEYS[1])
+  return tonumber(ARGV[3])
+end
+return 0
+"""
+
+
+class FailedAuthGuard:
+    """Counts 401s per client address in Redis (shared by every process) and blocks repeat offenders."""
+
+    def __init__(self, redis: redis_asyncio.Redis, settings: Settings) -> None:
+        self._redis = redis
+        self._settings = settings.auth
+        self._deadline = settings.redis.connect_timeout + settings.redis.socket_timeout
+        self._record = redis.register_script(_RECORD_FAILURE)
+        # Blocks this process already knows of, so a blocked client hammering us costs no Redis call.
+        self._blocked_until: dict[str, float] = {}
+        self._last_warning = 0.0
+
+    async def check(self, address: str) -> None:
+        """Raise RateLimitError if `address` is blocked."""
+        now = time.monotonic()
+        until = self._blocked_until.get(address)
+        if until is not None:
+            if until > now:
+                raise self._error(until - now)
+            del self._blocked_until[address]
+        try:
+            remaining_ms = int(await self._redis.pttl(_block_key(address)))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._warn(exc)
+            return
+        if remaining_ms > 0:
+            self._block(address, remaining_ms, now)
+            raise self._error(remaining_ms / 1000)
+
+    async def record_failure(self, address: str) -> None:
+        """Count one failed authentication from `address`; enough of them within the window block it."""
+        args = [
+            max(1, round(self._settings.failed_auth_window * 1000)),
+            self._settings.failed_auth_limit,
+            max(1, round(self._settings.failed_auth_block * 1000)),
+        ]
+        try:
+            blocked_ms = int(await self._record(keys=[_count_key(address), _block_key(address)], args=args))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._warn(exc)
+            return
+        if blocked_ms > 0:
+            logger.warning(
+                "Client %s blocked for %.0f s after repeated failed authentication", address, blocked_ms / 1000
+            )
+            self._block(address, blocked_ms, time.monotonic())
+
+    def _block(self, address: str, milliseconds: int, now: float) -> None:
+        if len(self._blocked_until) >= _MAX_REMEMBERED:
+            self._blocked_until = {addr: until for addr, until in self._blocked_until.items() if until > now}
+            if len(self._blocked_until) >= _MAX_REMEMBERED:
+                return
+        self._blocked_until[address] = now + milliseconds / 1000
+
+    @staticmethod
+    def _error(seconds: float) -> RateLimitError:
+        return RateLimitError(
+            f"Too many failed authentication attempts from this address; retry in {math.ceil(seconds)} s.",
+            retry_after=seconds,
+        )
+
+    def _warn(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last_warning > 10.0:
+            self._last_warning = now
+            logger.warning("Failed-auth guard cannot reach Redis (%s); not blocking anyone", type(exc).__name__)
+
+
+def _count_key(address: str) -> str:
+    return f"{_PREFIX}{{{address}}}:count"
+
+
+def _block_key(address: str) -> str:
+    return f"{_PREFIX}{{{address}}}:block"

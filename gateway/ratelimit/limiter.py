@@ -1,0 +1,121 @@
+"""The RateLimiter protocol, the Lease it hands out, and OpenAI's `x-ratelimit-*` header formats.
+
+Imports errors only; the Redis implementation lives in `ratelimit.redis`. Keys are taken structurally
+(`LimitedKey`), so this package does not depend on `gateway.auth`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.errors import RateLimitError
+
+# A prompt's tokens are estimated from its characters until the engine reports the real usage; the
+# estimate is reconciled at release, so erring either way costs only until the request ends.
+CHARS_PER_TOKEN = 4
+
+
+class KeyLimitsView(Protocol):
+    """A key's own limits: None takes the server default, 0 means unlimited."""
+
+    @property
+    def requests_per_minute(self) -> int | None: ...
+
+    @property
+    def tokens_per_minute(self) -> int | None: ...
+
+    @property
+    def max_concurrency(self) -> int | None: ...
+
+
+class LimitedKey(Protocol):
+    """What the limiter needs of an API key (`gateway.auth.ApiKey` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def limits(self) -> KeyLimitsView: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EffectiveLimits:
+    """The limits that apply to one request, defaults resolved; 0 means unlimited."""
+
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_concurrency: int
+
+    @property
+    def unlimited(self) -> bool:
+        return not (self.requests_per_minute or self.tokens_per_minute or self.max_concurrency)
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    """One admitted request: its concurrency slot and token charge, until `RateLimiter.release`."""
+
+    key_name: str
+    lease_id: str
+    estimated_tokens: int
+    limits: EffectiveLimits
+    headers: dict[str, str] = field(default_factory=dict)
+    degraded: bool = False  # admitted without Redis (`limits.fail_open`); nothing to release
+    released: bool = False
+
+
+class RateLimiter(Protocol):
+    """Admits requests against a key's requests/min, tokens/min and concurrency, all processes together."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def acquire(self, key: LimitedKey, estimated_tokens: int) -> Lease:
+        """A lease, or RateLimitError naming the exhausted limit (429, Retry-After, x-ratelimit-* headers)."""
+        ...
+
+    async def release(self, lease: Lease, used_tokens: int | None = None) -> None:
+        """Reconcile tokens (None keeps the estimate), free the slot and record usage; safe in `finally`."""
+        ...
+
+
+def estimate_tokens(prompt_chars: int, max_tokens: int) -> int:
+    """The up-front charge for a request: its prompt's estimated tokens plus the completion it may produce."""
+    return math.ceil(max(prompt_chars, 0) / CHARS_PER_TOKEN) + max(max_tokens, 0)
+
+
+def format_reset(milliseconds: int) -> str:
+    """A duration as OpenAI writes `x-ratelimit-reset-*` (Go's format): `20ms`, `1.5s`, `6m0s`, `1h2m3s`."""
+    if milliseconds <= 0:
+        return "0s"
+    if milliseconds < 1000:
+        return f"{milliseconds}ms"
+    hours, rest = divmod(milliseconds, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    whole, fraction = divmod(rest, 1000)
+    seconds = f"{whole}.{fraction:03d}".rstrip("0") if fraction else str(whole)
+    if hours:
+        return f"{hours}h{minutes}m{seconds}s"
+    if minutes:
+        return f"{minutes}m{seconds}s"
+    return f"{seconds}s"
+
+
+def rate_headers(kind: str, limit: int, window_ms: int, used: int) -> dict[str, str]:
+    """`x-ratelimit-{limit,remaining,reset}-{kind}` for a bucket holding `used` (units of limit·ms, see redis.py)."""
+    capacity = limit * window_ms
+    return {
+        f"x-ratelimit-limit-{kind}": str(limit),
+        f"x-ratelimit-remaining-{kind}": str(max(0, (capacity - used) // window_ms)),
+        f"x-ratelimit-reset-{kind}": format_reset(math.ceil(used / limit)),
+    }
+
+
+def rate_limit_error(message: str, retry_after_ms: int, headers: dict[str, str]) -> RateLimitError:
+    """A 429 whose `retry_after` is exact; `Retry-After` is rounded up to whole seconds and
+    `retry-after-ms` (read first by the OpenAI SDKs) keeps the precision."""
+    merged = {"retry-after-ms": str(max(retry_after_ms, 0)), **headers}
+    return RateLimitError(message, retry_after=retry_after_ms / 1000, headers=merged)

@@ -1,0 +1,392 @@
+"""RedisRateLimiter: one Lua script admits a request against all three limits of its key, atomically.
+
+Imports errors, settings and ratelimit.limiter. Limits hold across every gateway process sharing Redis;
+the clock is Redis's `TIME`, never the processes'. Redis failures are mapped here to KeyStoreUnavailableError.
+
+Buckets (requests and tokens) are GCRA in integer arithmetic: one request or token costs `window_ms`
+units, a bucket holds `limit * window_ms` units and drains `limit` units per millisecond. Exact integers
+(well below 2**53) let a key use precisely 100% of its limit, with no edge bursts and no float drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from typing import Any
+
+import redis.asyncio as redis_asyncio
+from redis.exceptions import RedisError
+
+from gateway.errors import KeyStoreUnavailableError
+from gateway.ratelimit.limiter import (
+    EffectiveLimits,
+    Lease,
+    LimitedKey,
+    format_reset,
+    rate_headers,
+    rate_limit_error,
+)
+from gateway.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "nemotron:rl:"
+_USAGE = "nemotron:usage:"
+# Retry-After for a request refused for concurrency: when a slot frees is unknowable, so ask again soon.
+_CONCURRENCY_RETRY_MS = 1000
+_UNAVAILABLE = "The rate-limit store is unavailable; retry shortly."
+
+_REFUSED_CONCURRENCY = 1
+_REFUSED_REQUESTS = 2
+_REFUSED_TOKENS = 4
+_REFUSED_TOO_LARGE = 8
+
+_BUCKET = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local window = tonumber(ARGV[1])
+local function level(key, limit)
+  if limit <= 0 then return 0 end
+  local state = redis.call('HMGET', key, 'u', 't')
+  local used = tonumber(state[1])
+  if not used then return 0 end
+  local elapsed = now - tonumber(state[2])
+  if elapsed > 0 then used = math.max(0, used - elapsed * limit) end
+  return used
+end
+local function wait(used, amount, limit)
+  local over = used + amount * window - limit * window
+  if over <= 0 then return 0 end
+  return math.ceil(over / limit)
+end
+local function store(key, used, limit)
+  if used <= 0 then redis.call('DEL', key) return end
+  redis.call('HSET', key, 'u', string.format('%.0f', used), 't', string.format('%.0f', now))
+  redis.call('PEXPIRE', key, math.ceil(used / limit) + 1000)
+end
+"""
+
+# KEYS: requests bucket, tokens bucket, leases (ZSET, score = expiry ms).
+# ARGV: window ms, rpm, tpm, max concurrency, estimated tokens, lease id, lease ttl ms, concurrency retry ms.
+# Every limit is checked before anything is written, so a refused request consumes nothing.
+_ACQUIRE = (
+    _BUCKET
+    + """
+local rpm, tpm, conc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local cost, ttl = tonumber(ARGV[5]), tonumber(ARGV[7])
+local req, tok = level(KEYS[1], rpm), level(KEYS[2], tpm)
+local refused, retry = 0, 0
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= conc then refused = refused + 1; retry = tonumber(ARGV[8]) end
+end
+if rpm > 0 then
+  local w = wait(req, 1, rpm)
+  if w > 0 then refused = refused + 2; retry = math.max(retry, w) end
+end
+if tpm > 0 then
+  if cost > tpm then
+    refused = refused + 8; retry = math.max(retry, window)
+  else
+    local w = wait(tok, cost, tpm)
+    if w > 0 then refused = refused + 4; retry = math.max(retry, w) end
+  end
+end
+if refused == 0 then
+  if rpm > 0 then req = req + window; store(KEYS[1], req, rpm) end
+  if tpm > 0 and cost > 0 then tok = tok + cost * window; store(KEYS[2], tok, tpm) end
+  if conc > 0 then
+    redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])
+    redis.call('PEXPIRE', KEYS[3], 2 * ttl)
+  end
+end
+return {refused, retry, req, tok}
+"""
+)
+
+# KEYS: tokens bucket, leases, usage of the day (HASH), last used (ms).
+# ARGV: window ms, tpm, used - estimated tokens, lease id, used tokens, retention seconds, requests served (0|1).
+_RELEASE = (
+    _BUCKET
+    + """
+local tpm, diff = tonumber(ARGV[2]), tonumber(ARGV[3])
+if tpm > 0 and diff ~= 0 then store(KEYS[1], math.max(0, level(KEYS[1], tpm) + diff * window), tpm) end
+redis.call('ZREM', KEYS[2], ARGV[4])
+if ARGV[7] == '1' then
+  redis.call('HINCRBY', KEYS[3], 'requests', 1)
+  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
+  redis.call('EXPIRE', KEYS[3], ARGV[6])
+  redis.call('SET', KEYS[4], string.format('%.0f', now), 'EX', ARGV[6])
+end
+return 1
+"""
+)
+
+# KEYS: leases. ARGV: ttl ms, lease ids. Returns the ids that had already expired (their slots are gone).
+_RENEW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local ttl = tonumber(ARGV[1])
+local lost = {}
+for i = 2, #ARGV do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[i])
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+redis.call('PEXPIRE', KEYS[1], 2 * ttl)
+return lost
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A key's usage on one (UTC) day, and when it was last used (any day)."""
+
+    day: date
+    requests: int
+    tokens: int
+    last_used: datetime | None
+
+
+class RedisRateLimiter:
+    """The RateLimiter shared by every gateway process through Redis.
+
+    `start()` runs one task that renews this process's live concurrency slots (pipelined); a slot that is
+    not renewed, because its process died, expires after `limits.lease_ttl`.
+    """
+
+    def __init__(self, redis: redis_asyncio.Redis, settings: Settings) -> None:
+        self._redis = redis
+        self._settings = settings.limits
+        self._window_ms = max(1, round(settings.limits.window * 1000))
+        self._ttl_ms = max(1, round(settings.limits.lease_ttl * 1000))
+        self._deadline = settings.redis.connect_timeout + settings.redis.socket_timeout
+        self._retention_s = settings.limits.usage_retention_days * 86_400
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._release = redis.register_script(_RELEASE)
+        self._renew = redis.register_script(_RENEW)
+        self._live: dict[str, Lease] = {}
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start renewing live leases."""
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew_forever(), name="ratelimit-lease-renewer")
+
+    async def stop(self) -> None:
+        """Stop renewing and wait for releases still in flight."""
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.cancel()
+            try:
+                await renewer
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=self._deadline)
+
+    def effective_limits(self, key: LimitedKey) -> EffectiveLimits:
+        """The key's limits with the server defaults filled in (0: unlimited)."""
+        own, defaults = key.limits, self._settings
+        return EffectiveLimits(
+            requests_per_minute=_resolve(own.requests_per_minute, defaults.requests_per_minute),
+            tokens_per_minute=_resolve(own.tokens_per_minute, defaults.tokens_per_minute),
+            max_concurrency=_resolve(own.max_concurrency, defaults.max_concurrency),
+        )
+
+    async def acquire(self, key: LimitedKey, estimated_tokens: int) -> Lease:
+        """A lease for one request of `key`, charging `estimated_tokens` up front; else RateLimitError."""
+        limits = self.effective_limits(key)
+        tokens = max(0, estimated_tokens)
+        lease = Lease(key_name=key.name, lease_id=secrets.token_hex(8), estimated_tokens=tokens, limits=limits)
+        if limits.unlimited:
+            return lease
+        args: list[int | str] = [
+            self._window_ms,
+            limits.requests_per_minute,
+            limits.tokens_per_minute,
+            limits.max_concurrency,
+            tokens,
+            lease.lease_id,
+            self._ttl_ms,
+            _CONCURRENCY_RETRY_MS,
+        ]
+        # Shielded: a request cancelled (client gone) while the script runs must not leak what it admitted.
+        admission = asyncio.create_task(self._admit(key.name, args))
+        try:
+            result = await asyncio.shield(admission)
+        except asyncio.CancelledError:
+            self._pending.add(admission)
+            admission.add_done_callback(self._pending.discard)
+            admission.add_done_callback(lambda done: self._release_orphan(done, lease))
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            if self._settings.fail_open:
+                logger.warning("Rate-limit store unavailable (%s); admitting without limits", type(exc).__name__)
+                lease.degraded = True
+                return lease
+            raise KeyStoreUnavailableError(_UNAVAILABLE) from exc
+        refused, retry_ms, requests_used, tokens_used = result
+        lease.headers = self._headers(limits, requests_used, tokens_used)
+        if refused:
+            raise rate_limit_error(self._refusal(refused, limits, tokens, retry_ms), retry_ms, lease.headers)
+        if limits.max_concurrency:
+            self._live[lease.lease_id] = lease
+        return lease
+
+    async def release(self, lease: Lease, used_tokens: int | None = None) -> None:
+        """Reconcile, free the slot and record usage in one round trip. Idempotent, never raises for Redis,
+        and runs to completion even if the awaiting request is cancelled."""
+        if lease.released:
+            return
+        lease.released = True
+        self._live.pop(lease.lease_id, None)
+        if lease.degraded:
+            return
+        await asyncio.shield(self._spawn(self._finish(lease, used_tokens)))
+
+    async def usage(self, names: Sequence[str], day: date | None = None) -> dict[str, Usage]:
+        """Requests and tokens of each key on `day` (UTC, default today) and when each was last used."""
+        day = day or datetime.now(UTC).date()
+        try:
+            async with asyncio.timeout(self._deadline * 4):
+                pipe = self._redis.pipeline(transaction=False)
+                for name in names:
+                    _ = pipe.hmget(_usage_day_key(name, day), ["requests", "tokens"])
+                    _ = pipe.get(_usage_last_key(name))
+                results: list[Any] = await pipe.execute() if names else []
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise KeyStoreUnavailableError(_UNAVAILABLE) from exc
+        usage: dict[str, Usage] = {}
+        for index, name in enumerate(names):
+            (requests, tokens), last = results[2 * index], results[2 * index + 1]
+            usage[name] = Usage(
+                day=day,
+                requests=int(requests or 0),
+                tokens=int(tokens or 0),
+                last_used=datetime.fromtimestamp(int(last) / 1000, UTC) if last else None,
+            )
+        return usage
+
+    async def _admit(self, name: str, args: list[int | str]) -> tuple[int, int, int, int]:
+        async with asyncio.timeout(self._deadline):
+            result = await self._acquire(keys=_bucket_keys(name), args=args)
+        refused, retry_ms, requests_used, tokens_used = (int(value) for value in result)
+        return refused, retry_ms, requests_used, tokens_used
+
+    def _release_orphan(self, admission: asyncio.Task[tuple[int, int, int, int]], lease: Lease) -> None:
+        if admission.cancelled() or admission.exception() is not None or admission.result()[0]:
+            return
+        _ = self._spawn(self._finish(lease, 0, served=False))  # kept in self._pending
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(work)
+        self._pending.add(task)  # a reference until done; stop() waits for these
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    def _headers(self, limits: EffectiveLimits, requests_used: int, tokens_used: int) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if limits.requests_per_minute:
+            headers |= rate_headers("requests", limits.requests_per_minute, self._window_ms, requests_used)
+        if limits.tokens_per_minute:
+            headers |= rate_headers("tokens", limits.tokens_per_minute, self._window_ms, tokens_used)
+        return headers
+
+    def _refusal(self, refused: int, limits: EffectiveLimits, tokens: int, retry_ms: int) -> str:
+        period = "minute" if self._window_ms == 60_000 else f"{self._window_ms / 1000:g} s"
+        reasons = []
+        if refused & _REFUSED_CONCURRENCY:
+            reasons.append(f"too many requests in flight for this key (limit {limits.max_concurrency})")
+        if refused & _REFUSED_REQUESTS:
+            reasons.append(f"requests per {period} (limit {limits.requests_per_minute})")
+        if refused & _REFUSED_TOKENS:
+            reasons.append(f"tokens per {period} (limit {limits.tokens_per_minute}, requested {tokens})")
+        if refused & _REFUSED_TOO_LARGE:
+            return (
+                f"Request too large: about {tokens} tokens (prompt estimate + max_tokens) exceed this key's "
+                f"limit of {limits.tokens_per_minute} tokens per {period}; lower max_tokens or shorten the prompt."
+            )
+        return f"Rate limit reached: {'; '.join(reasons)}. Retry in {format_reset(retry_ms)}."
+
+    async def _finish(self, lease: Lease, used_tokens: int | None, *, served: bool = True) -> None:
+        used = lease.estimated_tokens if used_tokens is None else max(0, used_tokens)
+        today = datetime.now(UTC).date()
+        keys = [
+            *_bucket_keys(lease.key_name)[1:],
+            _usage_day_key(lease.key_name, today),
+            _usage_last_key(lease.key_name),
+        ]
+        args: list[int | str] = [
+            self._window_ms,
+            lease.limits.tokens_per_minute,
+            used - lease.estimated_tokens,
+            lease.lease_id,
+            used,
+            self._retention_s,
+            1 if served else 0,
+        ]
+        try:
+            async with asyncio.timeout(self._deadline):
+                await self._release(keys=keys, args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            logger.warning(
+                "Could not release a lease of key %s (%s); its slot expires within %.0f s",
+                lease.key_name,
+                type(exc).__name__,
+                self._settings.lease_ttl,
+            )
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.lease_renew_interval)
+            await self._renew_live()
+
+    async def _renew_live(self) -> None:
+        by_key: dict[str, list[str]] = {}
+        for lease in self._live.values():
+            by_key.setdefault(lease.key_name, []).append(lease.lease_id)
+        if not by_key:
+            return
+        try:
+            async with asyncio.timeout(self._deadline):
+                pipe = self._redis.pipeline(transaction=False)
+                for name, ids in by_key.items():
+                    await self._renew(keys=[_bucket_keys(name)[2]], args=[self._ttl_ms, *ids], client=pipe)
+                results: list[list[bytes]] = await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            logger.warning("Could not renew %d concurrency slots (%s)", len(self._live), type(exc).__name__)
+            return
+        for lost in results:
+            for lease_id in lost:
+                gone = self._live.pop(lease_id.decode(), None)
+                if gone is not None:
+                    logger.warning("A concurrency slot of key %s expired before it was renewed", gone.key_name)
+
+
+def _resolve(own: int | None, default: int | None) -> int:
+    if own is None:
+        return default or 0
+    return own
+
+
+def _bucket_keys(name: str) -> list[str]:
+    # `{name}` is a hash tag: a key's buckets, leases and usage share one Redis Cluster slot.
+    return [f"{_PREFIX}{{{name}}}:req", f"{_PREFIX}{{{name}}}:tok", f"{_PREFIX}{{{name}}}:lease"]
+
+
+def _usage_day_key(name: str, day: date) -> str:
+    return f"{_USAGE}{{{name}}}:{day:%Y%m%d}"
+
+
+def _usage_last_key(name: str) -> str:
+    return f"{_USAGE}{{{name}}}:last"

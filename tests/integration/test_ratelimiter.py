@@ -1,0 +1,275 @@
+"""RedisRateLimiter and FailedAuthGuard against a real Redis: exact admission across processes, leases, tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import redis.asyncio as redis_asyncio
+from pydantic import SecretStr
+
+from gateway.auth import ApiKey, KeyLimits
+from gateway.errors import KeyStoreUnavailableError, RateLimitError
+from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter
+from gateway.settings import AuthSettings, RateLimitSettings, Settings
+from gateway.store import connect_redis
+from tests.procs import free_port
+
+pytestmark = pytest.mark.timeout(15)
+
+# An hour-long window makes buckets drain by a negligible amount while a test runs, so counts are exact.
+HOUR = 3600.0
+
+
+def _key(rpm: int | None = 0, tpm: int | None = 0, concurrency: int | None = 0, name: str = "alice") -> ApiKey:
+    return ApiKey(name=name, prefix="sk-abcdef", created_at=datetime.now(UTC), limits=KeyLimits(rpm, tpm, concurrency))
+
+
+def _settings(url: str, **limits: Any) -> Settings:
+    return Settings(
+        redis_url=SecretStr(url),
+        limits=RateLimitSettings.model_validate({"window": HOUR, **limits}),
+        auth=AuthSettings(failed_auth_limit=3, failed_auth_window=5.0, failed_auth_block=0.5),
+    )
+
+
+class Processes:
+    """Gateway processes sharing the test Redis: each has its own client and its own limiter."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._clients: list[redis_asyncio.Redis] = []
+        self._limiters: list[RedisRateLimiter] = []
+
+    async def limiter(self, start: bool = True, **limits: Any) -> RedisRateLimiter:
+        settings = _settings(self.url, **limits)
+        client = connect_redis(settings)
+        self._clients.append(client)
+        limiter = RedisRateLimiter(client, settings)
+        if start:
+            await limiter.start()
+        self._limiters.append(limiter)
+        return limiter
+
+    async def warm_up(self, connections: int) -> None:
+        """Open pool connections ahead of a burst: redis-py spends ~3 ms of blocking work per new connection
+        (it reads its own package metadata), which on a busy machine can push a cold burst past the timeouts."""
+        for client in self._clients:
+            await asyncio.gather(*(client.ping() for _ in range(connections)), return_exceptions=True)
+
+    def guard(self) -> FailedAuthGuard:
+        settings = _settings(self.url)
+        client = connect_redis(settings)
+        self._clients.append(client)
+        return FailedAuthGuard(client, settings)
+
+    async def close(self) -> None:
+        for limiter in self._limiters:
+            await limiter.stop()
+        for client in self._clients:
+            await client.aclose()
+
+
+@pytest.fixture
+async def processes(redis_clean: str) -> AsyncIterator[Processes]:
+    running = Processes(redis_clean)
+    yield running
+    await running.close()
+
+
+async def _refused(limiter: RedisRateLimiter, key: ApiKey, tokens: int = 0) -> RateLimitError:
+    with pytest.raises(RateLimitError) as caught:
+        await limiter.acquire(key, tokens)
+    return caught.value
+
+
+async def test_requests_per_minute_is_exact_across_processes(processes: Processes) -> None:
+    rate = 20
+    first, second = await processes.limiter(window=60.0), await processes.limiter(window=60.0)
+    await processes.warm_up(3 * rate)
+    key = _key(rpm=rate)
+    started = time.monotonic()
+    outcomes = await asyncio.gather(
+        *((first if i % 2 else second).acquire(key, 0) for i in range(5 * rate)), return_exceptions=True
+    )
+    elapsed = time.monotonic() - started
+    admitted = [o for o in outcomes if isinstance(o, Lease)]
+    refused = [o for o in outcomes if isinstance(o, RateLimitError)]
+    assert (len(admitted), len(refused)) == (rate, 4 * rate)
+    for error in refused:
+        assert "requests per minute (limit 20)" in error.message
+        # The next slot frees 60/20 = 3 s after the burst began.
+        assert 3.0 - elapsed - 0.05 <= error.retry_after <= 3.0
+        assert error.headers["Retry-After"] == "3"
+        assert error.headers["x-ratelimit-remaining-requests"] == "0"
+    assert admitted[-1].headers["x-ratelimit-limit-requests"] == "20"
+
+
+async def test_retry_after_is_when_the_retry_is_admitted(processes: Processes) -> None:
+    limiter = await processes.limiter(window=1.0)
+    key = _key(rpm=4)  # one request per 250 ms after the burst
+    for _ in range(4):
+        await limiter.acquire(key, 0)
+    error = await _refused(limiter, key)
+    assert 0.2 < error.retry_after <= 0.25
+    await asyncio.sleep(0.1)
+    later = await _refused(limiter, key)
+    assert 0 < later.retry_after <= error.retry_after - 0.1
+    await asyncio.sleep(later.retry_after)
+    await limiter.acquire(key, 0)
+
+
+async def test_concurrency_refusal_consumes_no_request_slot(processes: Processes) -> None:
+    limiter = await processes.limiter()
+    key = _key(rpm=3, concurrency=2)
+    a = await limiter.acquire(key, 0)
+    await limiter.acquire(key, 0)
+    error = await _refused(limiter, key)
+    assert "in flight" in error.message and "requests per" not in error.message
+    assert error.headers["x-ratelimit-remaining-requests"] == "1"
+    await limiter.release(a)
+    third = await limiter.acquire(key, 0)  # would be refused for rpm had the refusal consumed a slot
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "requests per" in (await _refused(limiter, key)).message
+
+
+async def test_tokens_admit_exactly_the_limit_and_refund(processes: Processes) -> None:
+    limiter = await processes.limiter()
+    key = _key(tpm=1000)
+    first = await limiter.acquire(key, 600)
+    second = await limiter.acquire(key, 400)  # 100% of the limit, not 70-90%
+    assert second.headers["x-ratelimit-remaining-tokens"] == "0"
+    error = await _refused(limiter, key, 1)
+    assert "tokens per" in error.message and "limit 1000" in error.message
+    assert error.retry_after == pytest.approx(3.6, abs=0.01)  # one token per 3.6 s on a 1000/hour bucket
+    await limiter.release(first, 100)  # 500 of the estimate come back
+    refilled = await limiter.acquire(key, 500)
+    assert refilled.headers["x-ratelimit-remaining-tokens"] == "0"
+    await _refused(limiter, key, 1)
+    # Using more than estimated is charged; the key waits for exactly the overdraft, it is not locked out.
+    await limiter.release(second, 500)
+    debt = await _refused(limiter, key, 0)
+    assert debt.retry_after == pytest.approx(100 * 3.6, abs=0.05)
+
+
+async def test_request_larger_than_the_token_limit(processes: Processes) -> None:
+    limiter = await processes.limiter()
+    error = await _refused(limiter, _key(tpm=1000), 1001)
+    assert "Request too large" in error.message and "1001" in error.message
+
+
+async def test_unlimited_key_still_records_usage(processes: Processes) -> None:
+    limiter = await processes.limiter()
+    key = _key(rpm=0, tpm=0, concurrency=0)
+    leases = [await limiter.acquire(key, 10) for _ in range(50)]
+    assert leases[0].headers == {}
+    for lease in leases:
+        await limiter.release(lease, 3)
+    usage = (await limiter.usage([key.name]))[key.name]
+    assert (usage.requests, usage.tokens) == (50, 150)
+
+
+async def test_lease_of_a_dead_process_expires(processes: Processes) -> None:
+    crashed = await processes.limiter(start=False, lease_ttl=0.3, lease_renew_interval=0.1)
+    survivor = await processes.limiter(lease_ttl=0.3, lease_renew_interval=0.1)
+    key = _key(concurrency=1)
+    await crashed.acquire(key, 0)  # never released, never renewed
+    await _refused(survivor, key)
+    await asyncio.sleep(0.4)
+    await survivor.acquire(key, 0)
+
+
+async def test_renewal_keeps_a_long_stream_alive(processes: Processes) -> None:
+    limiter = await processes.limiter(lease_ttl=0.4, lease_renew_interval=0.1)
+    other = await processes.limiter(lease_ttl=0.4, lease_renew_interval=0.1)
+    key = _key(concurrency=1)
+    lease = await limiter.acquire(key, 0)
+    await asyncio.sleep(1.0)  # over twice the TTL
+    assert "in flight" in (await _refused(other, key)).message
+    await limiter.release(lease)
+    await other.acquire(key, 0)
+
+
+async def test_release_is_idempotent_and_survives_cancellation(processes: Processes) -> None:
+    limiter = await processes.limiter()
+    key = _key(concurrency=1)
+    admitted = asyncio.Event()
+
+    async def request() -> None:
+        lease = await limiter.acquire(key, 0)
+        try:
+            admitted.set()
+            await asyncio.sleep(10)
+        finally:
+            await limiter.release(lease)
+
+    task = asyncio.create_task(request())
+    await admitted.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    lease = await limiter.acquire(key, 0)  # the cancelled request's slot is free
+
+    # Cancelled while releasing: the release still completes.
+    releasing = asyncio.create_task(limiter.release(lease))
+    await asyncio.sleep(0)
+    releasing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await releasing
+    await limiter.release(lease)  # second call: no-op
+    await asyncio.sleep(0.05)
+    await limiter.acquire(key, 0)
+
+
+async def test_request_cancelled_during_admission_leaks_nothing(processes: Processes) -> None:
+    limiter = await processes.limiter()
+    key = _key(tpm=100, concurrency=1)
+    admitting = asyncio.create_task(limiter.acquire(key, 100))
+    await asyncio.sleep(0)  # the script is on its way to Redis
+    admitting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await admitting
+    await asyncio.sleep(0.05)
+    lease = await limiter.acquire(key, 100)  # slot and tokens came back
+    await limiter.release(lease)
+    assert (await limiter.usage([key.name]))[key.name].requests == 1  # the cancelled one was never served
+
+
+async def test_failed_auth_guard_blocks_and_unblocks(processes: Processes) -> None:
+    guard, elsewhere = processes.guard(), processes.guard()
+    for _ in range(2):
+        await guard.record_failure("203.0.113.7")
+        await guard.check("203.0.113.7")
+    await elsewhere.record_failure("203.0.113.7")  # the third, counted in another process
+    for process in (guard, elsewhere):
+        with pytest.raises(RateLimitError) as caught:
+            await process.check("203.0.113.7")
+        assert 0.3 < caught.value.retry_after <= 0.5
+        assert "failed authentication" in caught.value.message
+    await guard.check("198.51.100.1")  # other addresses are untouched
+    await asyncio.sleep(0.55)
+    await guard.check("203.0.113.7")
+    await elsewhere.check("203.0.113.7")
+
+
+async def test_redis_down_fails_closed_quickly_or_open_when_configured() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    down = Processes(url)
+    try:
+        closed, opened = await down.limiter(), await down.limiter(fail_open=True)
+        began = time.monotonic()
+        with pytest.raises(KeyStoreUnavailableError):
+            await closed.acquire(_key(rpm=1), 0)
+        lease = await opened.acquire(_key(rpm=1), 0)
+        assert lease.degraded
+        await opened.release(lease)
+        guard = down.guard()
+        await guard.record_failure("203.0.113.7")
+        await guard.check("203.0.113.7")  # a brake, not a gate: authentication itself fails closed
+        assert time.monotonic() - began < 1.0
+    finally:
+        await down.close()
