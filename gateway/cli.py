@@ -16,6 +16,7 @@ from pydantic_settings import SettingsError
 
 from gateway import __version__
 from gateway.app import create_app
+from gateway.auth.cli import add_keys_parser, run_keys
 from gateway.settings import Settings
 from gateway.supervisor.cli import (
     add_engine_arguments,
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = engine_verbs.add_parser("status", help="the supervisor's state; exit 0 when the engine is ready")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     engine_verbs.add_parser("profiles", help="list the engine profiles and their vLLM flags")
+
+    add_keys_parser(verbs, _add_common)
 
     doctor = add_doctor_parser(verbs)
     _add_common(doctor)
@@ -125,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.engine_verb == "profiles":
             return show_profiles(settings)
         return run_engine(settings)
+    if args.verb == "keys":
+        return run_keys(args, settings)
     if args.verb == "doctor":
         return run_doctor(args, settings)
     if args.verb == "up":

@@ -1,11 +1,19 @@
-"""FastAPI dependencies: the app's services and settings for route handlers."""
+"""Request-scoped helpers for route handlers: the app's services, the request record, the API key.
+
+Plain functions rather than FastAPI `Depends` on the completion routes: those skip FastAPI's
+dependency solving on the hot path (see `app._CompletionRoutes`).
+"""
 
 from __future__ import annotations
 
 from fastapi import Request
 
+from gateway.auth import ApiKey
+from gateway.errors import AuthenticationError
 from gateway.requestlog import RequestRecord
 from gateway.services import Services
+
+_MISSING_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
 
 
 def get_services(request: Request) -> Services:
@@ -18,3 +26,31 @@ def get_record(request: Request) -> RequestRecord:
     """This request's record, created by the middleware."""
     record: RequestRecord = request.scope["state"]["record"]
     return record
+
+
+def bearer_token(request: Request) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, or None."""
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+async def require_api_key(request: Request, services: Services) -> ApiKey | None:
+    """The caller's key (None when auth is off); 401 for any bad key, 429 for an address guessing keys."""
+    if not services.settings.auth.enabled:
+        return None
+    client = request.client
+    address = client.host if client is not None else "-"
+    await services.guard.check(address)
+    token = bearer_token(request)
+    try:
+        if token is None:
+            raise AuthenticationError(_MISSING_KEY)
+        key = await services.keys.authenticate(token)
+    except AuthenticationError:
+        await services.guard.record_failure(address)
+        raise
+    get_record(request).key_name = key.name
+    return key

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
+from gateway.auth import KeyStore
 from gateway.metrics import GatewayMetrics
+from gateway.ratelimit import FailedAuthGuard, RedisRateLimiter
 from gateway.relay.client import EngineClient
 from gateway.relay.monitor import EngineMonitor
 from gateway.settings import Settings
@@ -29,17 +31,24 @@ class Services:
     engine: EngineClient
     monitor: EngineMonitor
     redis: redis_asyncio.Redis
+    keys: KeyStore
+    limiter: RedisRateLimiter
+    guard: FailedAuthGuard
 
     @classmethod
     def build(cls, settings: Settings, metrics: GatewayMetrics) -> Services:
         """Construct (nothing is connected until `start`)."""
         engine = EngineClient(settings)
+        redis = connect_redis(settings)
         return cls(
             settings=settings,
             metrics=metrics,
             engine=engine,
             monitor=EngineMonitor(engine, settings, metrics),
-            redis=connect_redis(settings),
+            redis=redis,
+            keys=KeyStore(redis, settings),
+            limiter=RedisRateLimiter(redis, settings),
+            guard=FailedAuthGuard(redis, settings),
         )
 
     async def start(self) -> None:
@@ -47,9 +56,21 @@ class Services:
         await self.engine.start()
         await self.monitor.start()
         await self.check_redis()
+        if self.settings.auth.enabled:
+            if not self.keys.hashes_keyed:
+                logger.warning(
+                    "NEMOTRON_AUTH__SECRET is not set: API keys are stored as plain SHA-256 hashes; set a server "
+                    "secret so a copy of Redis cannot be used to test guessed keys"
+                )
+            await self.keys.start()
+            await self.limiter.start()
+        else:
+            logger.warning("authentication is OFF (NEMOTRON_AUTH__ENABLED=false): anyone reaching this port is served")
 
     async def stop(self) -> None:
-        """Stop probes, close pools."""
+        """Stop probes and background tasks, close pools."""
+        await self.keys.stop()
+        await self.limiter.stop()
         await self.monitor.stop()
         await self.engine.stop()
         await self.redis.aclose()

@@ -60,6 +60,12 @@ class RedisSettings(_Group):
 class AuthSettings(_Group):
     """API keys: how they are hashed, cached, and guarded against guessing (`NEMOTRON_AUTH__<FIELD>`)."""
 
+    enabled: bool = Field(
+        True,
+        description="Require an API key (and apply its limits) on the /v1 routes. Off only for local development "
+        "and overhead benchmarks.",
+    )
+
     secret: SecretStr | None = Field(
         None,
         description="Server secret for HMAC-SHA256 of API keys in Redis. Unset: plain SHA-256 (a warning is logged "

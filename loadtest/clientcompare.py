@@ -27,7 +27,7 @@ from loadtest.processes import BenchProcess, can_pin, free_port, pin_self, pytho
 ENGINE = "engine"
 RELAYS = ("httpx", "aiohttp")
 GATEWAY = "gateway"
-GATEWAY_ENV = {"NEMOTRON_ACCESS_LOG": "false", "NEMOTRON_LOG_LEVEL": "warning"}
+GATEWAY_ENV = {"NEMOTRON_ACCESS_LOG": "false", "NEMOTRON_LOG_LEVEL": "warning", "NEMOTRON_AUTH__ENABLED": "false"}
 
 
 def plan(concurrency: int, stream_concurrency: int, chunks: tuple[int, int]) -> list[Workload]:

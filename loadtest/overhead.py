@@ -26,7 +26,7 @@ from loadtest.processes import BenchProcess, can_pin, free_port, pin_self, pytho
 GATEWAY, ENGINE = "gateway", "engine"
 DIRECT = "direct"
 TARGETS = {"ms_per_request": 0.6, "us_per_chunk": 25.0, "rps": 1500.0, "added_p50_ms_c1": 1.0}
-GATEWAY_ENV = {"NEMOTRON_ACCESS_LOG": "false", "NEMOTRON_LOG_LEVEL": "warning"}
+GATEWAY_ENV = {"NEMOTRON_ACCESS_LOG": "false", "NEMOTRON_LOG_LEVEL": "warning", "NEMOTRON_AUTH__ENABLED": "false"}
 
 
 @dataclass(frozen=True, slots=True)

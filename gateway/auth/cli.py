@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -46,8 +46,11 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def add_keys_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `keys` and its verbs to the top-level CLI."""
+def add_keys_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    common: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> None:
+    """Add `keys` and its verbs to the top-level CLI; `common` adds the shared flags to each verb."""
     keys = subparsers.add_parser("keys", help="Manage API keys (stored in Redis).", description=__doc__)
     verbs = keys.add_subparsers(dest="keys_verb", required=True, metavar="VERB")
 
@@ -79,6 +82,9 @@ def add_keys_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     enabled = update.add_mutually_exclusive_group()
     enabled.add_argument("--disable", dest="disabled", action="store_true", default=None, help="Disable the key.")
     enabled.add_argument("--enable", dest="disabled", action="store_false", help="Enable it again.")
+    if common is not None:
+        for verb in (create, listing, show, revoke, rotate, update):
+            common(verb)
 
 
 def run_keys(args: argparse.Namespace, settings: Settings) -> int:

@@ -6,7 +6,6 @@ from gateway.ratelimit.limiter import (
     Lease,
     LimitedKey,
     RateLimiter,
-    estimate_tokens,
     format_reset,
 )
 from gateway.ratelimit.redis import RedisRateLimiter, Usage
@@ -19,6 +18,5 @@ __all__ = [
     "RateLimiter",
     "RedisRateLimiter",
     "Usage",
-    "estimate_tokens",
     "format_reset",
 ]

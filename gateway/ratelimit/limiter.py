@@ -14,7 +14,6 @@ from gateway.errors import RateLimitError
 
 # A prompt's tokens are estimated from its characters until the engine reports the real usage; the
 # estimate is reconciled at release, so erring either way costs only until the request ends.
-CHARS_PER_TOKEN = 4
 
 
 class KeyLimitsView(Protocol):
@@ -80,11 +79,6 @@ class RateLimiter(Protocol):
     async def release(self, lease: Lease, used_tokens: int | None = None) -> None:
         """Reconcile tokens (None keeps the estimate), free the slot and record usage; safe in `finally`."""
         ...
-
-
-def estimate_tokens(prompt_chars: int, max_tokens: int) -> int:
-    """The up-front charge for a request: its prompt's estimated tokens plus the completion it may produce."""
-    return math.ceil(max(prompt_chars, 0) / CHARS_PER_TOKEN) + max(max_tokens, 0)
 
 
 def format_reset(milliseconds: int) -> str:

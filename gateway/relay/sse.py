@@ -139,6 +139,7 @@ class SSERelay:
         *,
         strip_usage: bool,
         headers: Iterable[tuple[bytes, bytes]] = (),
+        on_finish: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._upstream = upstream
         self._record = record
@@ -147,6 +148,7 @@ class SSERelay:
         self._strip_usage = strip_usage
         self._headers = [*SSE_HEADERS, *headers]
         self._saw_done = False
+        self._on_finish = on_finish
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self._upstream.status, "headers": self._headers})
@@ -157,6 +159,8 @@ class SSERelay:
             self._metrics.client_disconnects.labels("stream").inc()
         finally:
             self._upstream.close()
+            if self._on_finish is not None:
+                await self._on_finish()
 
     async def _pump(self, send: Send) -> None:
         content = self._upstream.content

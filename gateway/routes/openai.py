@@ -13,8 +13,9 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from gateway.deps import get_record, get_services
+from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import EngineUnavailableError, RequestTooLargeError
+from gateway.ratelimit import Lease
 from gateway.relay.client import UpstreamResponse, engine_error_body
 from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
 from gateway.requestlog import RequestRecord
@@ -73,32 +74,82 @@ async def _complete(
         raise
 
 
-def _engine_error(status: int, answer: bytes) -> Response:
-    return Response(engine_error_body(status, answer), status, media_type="application/json")
+def _engine_error(status: int, answer: bytes, headers: dict[str, str]) -> Response:
+    return Response(engine_error_body(status, answer), status, headers=headers, media_type="application/json")
 
 
 async def _relay(request: Request, path: str, prepare: Prepare) -> Response:
     services = get_services(request)
     record = get_record(request)
+    key = await require_api_key(request, services)
     body = await _read_body(request, services.settings.max_body_bytes)
     prepared = prepare(body, services.settings, services.monitor.require_ready())
     record.model, record.stream = prepared.model, prepared.stream
+    lease = None
+    if key is not None:
+        services.keys.check_model(key, prepared.model)
+        lease = await services.limiter.acquire(key, prepared.tokens_estimate)
+    try:
+        response = await _forward(request, services, path, prepared, record, lease)
+    except BaseException:
+        await _release(services, lease, record, reached_engine=False)
+        raise
+    if not isinstance(response, _ASGIResponse):
+        await _release(services, lease, record, reached_engine=True)
+    return response
+
+
+async def _release(services: Services, lease: Lease | None, record: RequestRecord, *, reached_engine: bool) -> None:
+    """Give back the concurrency slot and settle the token charge with what the engine reported.
+
+    Unknown usage keeps the estimate when the engine may have worked (a disconnect mid-stream) and is
+    refunded when it never did.
+    """
+    if lease is None:
+        return
+    used = record.total_tokens
+    if used is None and (not reached_engine or record.engine_error == "refused"):
+        used = 0
+    await services.limiter.release(lease, used)
+
+
+async def _forward(
+    request: Request,
+    services: Services,
+    path: str,
+    prepared: PreparedRequest,
+    record: RequestRecord,
+    lease: Lease | None,
+) -> Response:
+    headers = lease.headers if lease is not None else {}
     try:
         if not prepared.stream:
             upstream, answer = await run_until_disconnect(request.receive, _complete(services, path, prepared, record))
             if upstream.status != 200:
-                return _engine_error(upstream.status, answer)
+                record.engine_error = "refused"
+                return _engine_error(upstream.status, answer, headers)
             record.take_usage(orjson.loads(answer).get("usage"))
-            return Response(answer, 200, media_type=upstream.content_type)
+            return Response(answer, 200, headers=headers, media_type=upstream.content_type)
         upstream = await run_until_disconnect(request.receive, _open(services, path, prepared, record))
     except ClientDisconnectedError:
         record.client_disconnected = True
         services.metrics.client_disconnects.labels("non_stream").inc()
         return Response(status_code=499)
     if upstream.status != 200:
-        return _engine_error(upstream.status, await services.engine.read_body(upstream))
+        record.engine_error = "refused"
+        return _engine_error(upstream.status, await services.engine.read_body(upstream), headers)
+
+    async def finished() -> None:
+        await _release(services, lease, record, reached_engine=True)
+
     relay = SSERelay(
-        upstream, record, services.settings.relay, services.metrics, strip_usage=not prepared.client_wants_usage
+        upstream,
+        record,
+        services.settings.relay,
+        services.metrics,
+        strip_usage=not prepared.client_wants_usage,
+        headers=[(name.encode(), value.encode()) for name, value in headers.items()],
+        on_finish=finished,
     )
     return _ASGIResponse(relay)
 
@@ -121,6 +172,7 @@ router.add_route("/v1/completions", completions, methods=["POST"])
 async def list_models(request: Request) -> Response:
     """GET /v1/models: the engine's list, with the configured aliases as further entries."""
     services = get_services(request)
+    await require_api_key(request, services)
     info = services.monitor.require_ready()
     listing = await services.engine.get_json("/v1/models", services.settings.relay.probe_timeout)
     entries = listing.get("data", []) if isinstance(listing, dict) else []

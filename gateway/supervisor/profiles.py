@@ -111,7 +111,7 @@ def build_argv(launcher: Sequence[str], engine: EngineSettings, profile: Profile
     """The full `vllm serve` command line: launcher, model, bound to 127.0.0.1, profile flags, extra args."""
     if not engine.model:
         raise ProfileError("no model configured: set NEMOTRON_ENGINE__MODEL (a model directory or hub id)")
-    argv = [*launcher, engine.model, "--host", ENGINE_HOST, "--port", str(engine.port)]
+    argv = [*launcher, "--model", engine.model, "--host", ENGINE_HOST, "--port", str(engine.port)]
     argv += ["--served-model-name", engine.served_model_name]
     for name, value in profile.flags.items():
         argv += _flag_args(name, value)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import shutil
 import signal
 import sys
 import time
@@ -55,6 +56,10 @@ class EngineSupervisor:
         self._crashes: deque[float] = deque()
         self._kill_task: asyncio.Future[None] | None = None
         self._health_url = f"http://127.0.0.1:{settings.port}/health"
+        # vLLM leaves /tmp/vllm_dist_* and IPC sockets behind on every launch: give it a scratch TMPDIR
+        # that is emptied before each start and after the stop.
+        self.scratch = settings.state_dir / "engine-tmp"
+        self.env["TMPDIR"] = str(self.scratch)
 
     # --- signals: record only -------------------------------------------------------------------
 
@@ -98,11 +103,14 @@ class EngineSupervisor:
                 if not await self._after_crash(crash_reason):
                     return 1
         await self._stop()
+        shutil.rmtree(self.scratch, ignore_errors=True)
         self._set_state(EngineState.STOPPED)
         return 0
 
     async def _run_once(self, client: httpx.AsyncClient) -> str | None:
         """One engine life: None when it ended because we stop, else why it crashed."""
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch.mkdir(parents=True, exist_ok=True)
         self.process = GuardedProcess(
             self.argv,
             env=self.env,

@@ -535,12 +535,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--log-level", default="warning")
     if argv[:1] != ["serve"]:
         return parser.parse_args(argv)
-    # `serve MODEL --served-model-name N ...`: the shape the supervisor gives `vllm serve`; other vLLM
+    # `serve --model M --served-model-name N ...`: the shape the supervisor gives `vllm serve`; other vLLM
     # flags are accepted and ignored.
-    parser.add_argument("model_path")
     parser.add_argument("--served-model-name")
     args, _ = parser.parse_known_args(argv[1:])
-    args.model = args.served_model_name or args.model_path
+    args.model = args.served_model_name or args.model
     return args
 
 

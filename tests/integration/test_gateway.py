@@ -17,6 +17,8 @@ MODEL = "nemotron-test"
 ALIAS = "nemotron"
 
 GATEWAY_ENV = {
+    # Keys and limits have their own tests (test_keys_limits.py); these are about the request path.
+    "NEMOTRON_AUTH__ENABLED": "false",
     "NEMOTRON_MODEL_ALIASES": f'["{ALIAS}"]',
     "NEMOTRON_RELAY__HEARTBEAT_INTERVAL": "0.3",
     "NEMOTRON_RELAY__CHUNK_TIMEOUT": "2",
@@ -390,7 +392,7 @@ def test_access_log_line_has_request_id_and_never_the_authorization_header(
 def orphan_gateway() -> Iterator[str]:
     """A gateway whose engine and Redis are both missing (closed ports)."""
     dead_engine, dead_redis = free_port(), free_port()
-    env = {"NEMOTRON_RELAY__RETRY_AFTER": "7", "NEMOTRON_MODEL_NAME": MODEL}
+    env = {"NEMOTRON_RELAY__RETRY_AFTER": "7", "NEMOTRON_MODEL_NAME": MODEL, "NEMOTRON_AUTH__ENABLED": "false"}
     with run_gateway(
         f"http://127.0.0.1:{dead_engine}", f"redis://127.0.0.1:{dead_redis}/0", wait_ready=False, env=env
     ) as proc:

@@ -9,7 +9,7 @@ import redis.asyncio as redis_asyncio
 from pydantic import ValidationError
 
 from gateway.auth.keys import ApiKey, KeyLimits
-from gateway.ratelimit.limiter import estimate_tokens, format_reset, rate_headers, rate_limit_error
+from gateway.ratelimit.limiter import format_reset, rate_headers, rate_limit_error
 from gateway.ratelimit.redis import RedisRateLimiter
 from gateway.settings import AuthSettings, RateLimitSettings, Settings
 
@@ -67,13 +67,6 @@ def test_retry_after_rounds_up_to_whole_seconds(retry_ms: int, header: str) -> N
     assert error.headers["retry-after-ms"] == str(retry_ms)
     assert error.headers["x-a"] == "b"
     assert error.retry_after == pytest.approx(retry_ms / 1000)
-
-
-def test_token_estimate() -> None:
-    assert estimate_tokens(0, 100) == 100
-    assert estimate_tokens(4, 0) == 1
-    assert estimate_tokens(5, 10) == 12
-    assert estimate_tokens(-3, -1) == 0
 
 
 def _limiter(limits: RateLimitSettings) -> RedisRateLimiter:
