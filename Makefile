@@ -1,5 +1,8 @@
 # The README's commands. `make test` is what CI runs.
-.PHONY: test test-fast lint bench
+.PHONY: run test test-fast lint bench
+
+run:            ## the main job: install, model, Redis, a demo key, engine supervisor + gateway
+	scripts/run
 
 test:           ## the whole suite from a fresh clone: venv, install, ruff, mypy, pytest (all tiers)
 	scripts/test

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_parser(verbs, _add_common)
 
+    demo = verbs.add_parser(
+        "demo-model", help="write a tiny random-weight Nemotron model and tokenizer (needs the cpu or gpu extra)"
+    )
+    demo.add_argument("directory", type=Path, help="where to write the model")
+    demo.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+
     doctor = add_doctor_parser(verbs)
     _add_common(doctor)
 
@@ -114,6 +121,10 @@ def serve(settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `nemotron-gateway` console script."""
     args = build_parser().parse_args(argv)
+    if args.verb == "demo-model":
+        # A child interpreter: the model writer needs torch and tokenizers, which the gateway never imports.
+        command = [sys.executable, "-m", "gateway.demo_model", str(args.directory), "--seed", str(args.seed)]
+        return subprocess.run(command, check=False).returncode
     try:
         settings = load_settings(args)
     except (ValidationError, SettingsError) as exc:

@@ -1,0 +1,219 @@
+"""The whole product on a real `vllm serve` (CPU build, tiny demo model): `nemotron-gateway up` spawns the
+engine through the supervisor, the gateway serves the OpenAI SDK, a killed engine is restarted, a stop leaves
+nothing behind. One engine start for the module (plus one restart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.supervisor.process import group_members, shared_memory_of
+from tests.engine.conftest import CACHE_ROOT
+from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+MODEL = "nemotron"
+# Shared across runs so the vLLM flag list (`--help=all`, ~30 s) is read once per vLLM version.
+STATE_DIR = CACHE_ROOT / "engine-tests"
+
+
+@dataclass
+class Stack:
+    proc: ServerProcess
+    gateway: str
+    engine: str
+    key: str
+    env: dict[str, str]
+
+    def status(self) -> dict[str, object]:
+        return dict(json.loads((STATE_DIR / "engine.json").read_text()))
+
+    def sdk(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.gateway}/v1", api_key=self.key, max_retries=0, timeout=120)
+
+    def running_in_vllm(self) -> float:
+        """vLLM's own gauge of requests it is generating for."""
+        text = httpx.get(f"{self.engine}/metrics", timeout=5).text
+        found = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M)
+        return sum(float(v) for v in found)
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(demo_model_dir: str, redis_url: str) -> Iterator[Stack]:
+    engine_port, gateway_port = free_port(), free_port()
+    env = {
+        "NEMOTRON_ENGINE__MODEL": demo_model_dir,
+        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
+        "NEMOTRON_ENGINE__PORT": str(engine_port),
+        "NEMOTRON_ENGINE__STATE_DIR": str(STATE_DIR),
+        "NEMOTRON_ENGINE__METRICS_PORT": "0",
+        "NEMOTRON_ENGINE__BACKOFF_INITIAL": "0.5",
+        "NEMOTRON_ENGINE__PROBE_INTERVAL": "1",
+        # vLLM logs "Aborted request" only with this: the disconnect tests read it.
+        "NEMOTRON_ENGINE__EXTRA_ARGS": '["--enable-log-requests"]',
+        "NEMOTRON_PORT": str(gateway_port),
+        "NEMOTRON_REDIS_URL": redis_url,
+        "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",
+        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    name = f"engine-tier-{uuid.uuid4().hex[:8]}"
+    created = _cli(env, "keys", "create", "--name", name, "--rpm", "1000", "--tpm", "10000000")
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    proc = ServerProcess(
+        [sys.executable, "-m", "gateway", "up"],
+        env=env,
+        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
+        start_timeout=420,
+        stop_timeout=30,
+        port=gateway_port,
+    )
+    with proc.start():
+        yield Stack(proc, f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{engine_port}", key, env)
+    _cli(env, "keys", "revoke", name)
+
+
+def test_sdk_chat_stream_and_completion_through_the_gateway(stack: Stack) -> None:
+    with stack.sdk() as sdk:
+        answer = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0
+        )
+        assert isinstance(answer.choices[0].message.content, str)
+        assert answer.usage is not None and answer.usage.completion_tokens > 0
+        chunks = list(
+            sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True
+            )
+        )
+        assert chunks and all(chunk.choices for chunk in chunks), "no usage-only chunk the client did not ask for"
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        with_usage = list(
+            sdk.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens > 0
+        completion = sdk.completions.create(model=MODEL, prompt="The engine", max_tokens=4)
+        assert completion.usage is not None and completion.usage.completion_tokens > 0
+        assert [m.id for m in sdk.models.list()] == [MODEL]
+    metrics = httpx.get(f"{stack.gateway}/metrics").text
+    assert 'nemotron_gateway_tokens_total{kind="completion"}' in metrics
+
+
+def test_the_gateway_answers_what_vllm_would_get_wrong(stack: Stack) -> None:
+    with stack.sdk() as sdk:
+        with pytest.raises(openai.BadRequestError) as role:
+            sdk.chat.completions.create(model=MODEL, messages=[{"role": "User", "content": "hi"}])
+        assert role.value.body is not None and role.value.body["param"] == "messages[0].role"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError, match="context length of 2048"):
+            sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
+        with pytest.raises(openai.AuthenticationError):
+            with openai.OpenAI(base_url=f"{stack.gateway}/v1", api_key="sk-" + "x" * 43, max_retries=0) as other:
+                other.models.list()
+
+
+def test_client_disconnect_aborts_the_generation_in_vllm(stack: Stack) -> None:
+    long = {"max_tokens": 1500, "extra_body": {"ignore_eos": True}}
+    with stack.sdk() as sdk:
+        stream = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell a long story"}], stream=True, **long
+        )
+        for index, _ in enumerate(stream):
+            if index == 3:
+                break
+        assert stack.running_in_vllm() >= 1
+        stream.close()
+    wait_until(lambda: stack.running_in_vllm() == 0, timeout=5, message="vLLM kept generating for a gone client")
+    aborted_before = stack.proc.log_text().count("aborted")
+    # Non-streamed: the client gives up after 1 s of a generation that would take far longer.
+    with openai.OpenAI(base_url=f"{stack.gateway}/v1", api_key=stack.key, max_retries=0, timeout=1.0) as impatient:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Tell a long story"}], **long
+            )
+    wait_until(lambda: stack.running_in_vllm() == 0, timeout=5, message="vLLM kept a non-streamed request running")
+    wait_until(lambda: stack.proc.log_text().count("aborted") > aborted_before, timeout=5)
+
+
+def _vllm_server_pid(guard_pid: int) -> int:
+    children = Path(f"/proc/{guard_pid}/task/{guard_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def test_killed_engine_gives_503s_then_is_restarted_and_serves(stack: Stack) -> None:
+    guard = int(str(stack.status()["engine_pid"]))
+    os.kill(_vllm_server_pid(guard), signal.SIGKILL)
+    wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 503, timeout=10)
+    with stack.sdk() as sdk:
+        with pytest.raises(openai.InternalServerError) as down:
+            sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert down.value.status_code == 503
+        assert "retry-after" in down.value.response.headers
+        wait_until(lambda: not group_members(guard), timeout=15, message="the killed engine's group lingered")
+        wait_until(lambda: stack.status().get("state") == "ready", timeout=300, interval=1.0)
+        assert stack.status()["restarts"] == 1
+        wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 200, timeout=10)
+        answer = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert answer.choices[0].message.content is not None
+
+
+def test_stop_leaves_no_engine_process_and_no_shared_memory(stack: Stack) -> None:
+    guard = int(str(stack.status()["engine_pid"]))
+    members = group_members(guard)
+    assert len(members) >= 2, "guard and vllm serve (and its engine core)"
+    held = shared_memory_of(members)
+    stack.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: not stack.proc.running, timeout=60, message="`up` did not exit on SIGTERM")
+    assert group_members(guard) == []
+    assert [path for path in held if Path(path).exists()] == []
+    assert stack.status()["state"] == "stopped"
+
+
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["--profile", "warp-speed"], "unknown engine profile 'warp-speed'"),
+        (["--model", "/nonexistent/model"], "model directory"),
+    ],
+)
+def test_bad_profile_and_missing_model_fail_fast(stack: Stack, args: list[str], phrase: str) -> None:
+    started = time.perf_counter()
+    result = _cli({**stack.env, "NEMOTRON_ENGINE__PORT": str(free_port())}, "engine", *args)
+    assert result.returncode == 2
+    assert phrase in result.stderr
+    assert "Traceback" not in result.stderr
+    # The flag list is cached from the module's start; nothing waits for vLLM to load.
+    assert time.perf_counter() - started < 30
