@@ -68,6 +68,8 @@ class EngineClient:
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._relay.connect_timeout),
             auto_decompress=False,
+            # The engine sets no cookies; a real jar costs a lookup on every request and response.
+            cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             json_serialize=lambda obj: orjson.dumps(obj).decode(),
         )
