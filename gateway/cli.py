@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine_verbs = engine.add_subparsers(dest="engine_verb", metavar="[status|profiles]")
     status = engine_verbs.add_parser("status", help="the supervisor's state; exit 0 when the engine is ready")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    engine_verbs.add_parser("profiles", help="list the engine profiles and their vLLM flags")
+    _add_common(status)
+    _add_common(engine_verbs.add_parser("profiles", help="list the engine profiles and their vLLM flags"))
 
     add_keys_parser(verbs, _add_common)
 
