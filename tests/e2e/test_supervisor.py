@@ -207,7 +207,14 @@ def test_supervisor_metrics(state_dir: Path) -> None:
 @pytest.fixture
 def up_stack(state_dir: Path, redis_url: str) -> Iterator[tuple[ServerProcess, int, int]]:
     engine_port, gateway_port = free_port(), free_port()
-    env = engine_env(state_dir, engine_port, NEMOTRON_PORT=str(gateway_port), NEMOTRON_REDIS_URL=redis_url)
+    env = engine_env(
+        state_dir,
+        engine_port,
+        NEMOTRON_PORT=str(gateway_port),
+        NEMOTRON_REDIS_URL=redis_url,
+        # Keys have their own tests; this one is about the process tree.
+        NEMOTRON_AUTH__ENABLED="false",
+    )
     proc = ServerProcess(
         [sys.executable, "-m", "gateway", "up"],
         env=env,
