@@ -6,6 +6,7 @@ message, usage always requested in streams. Imports settings, errors and schemas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,45 +176,22 @@ def _text_length(content: Any) -> int:
     return 0
 
 
-def prepare_chat(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
-    """Validate a chat completion request and apply policy; raises InvalidRequestError / NotFoundError."""
+def _prepare(
+    body: bytes,
+    schema: type[BaseModel],
+    settings: Settings,
+    info: ModelInfo,
+    apply_policy: Callable[[dict[str, Any]], int],
+) -> PreparedRequest:
+    """Parse, validate, resolve the model, check the budget, apply the stream policy and the route's own
+    policy (which returns the prompt's token estimate), and serialise what goes to the engine."""
     data = parse_json_object(body)
-    _validate(ChatCompletionRequest, data)
+    _validate(schema, data)
     model = _resolve_model(data["model"], settings, info)
     data["model"] = model
     max_tokens = _check_budget(data, settings, info)
     stream, wants_usage = _apply_stream_policy(data)
-    messages: list[dict[str, Any]] = data["messages"]
-    if settings.inject_system_message and not any(m["role"] == "system" for m in messages):
-        data["messages"] = [{"role": "system", "content": settings.default_system_message}, *messages]
-    chars = sum(_text_length(m.get("content")) for m in data["messages"])
-    return PreparedRequest(
-        body=orjson.dumps(data),
-        model=model,
-        stream=stream,
-        client_wants_usage=wants_usage,
-        prompt_tokens_estimate=chars // _CHARS_PER_TOKEN + 1,
-        max_tokens=max_tokens,
-    )
-
-
-def prepare_completion(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
-    """Validate a text completion request and apply policy; raises InvalidRequestError / NotFoundError."""
-    data = parse_json_object(body)
-    _validate(CompletionRequest, data)
-    model = _resolve_model(data["model"], settings, info)
-    data["model"] = model
-    max_tokens = _check_budget(data, settings, info)
-    stream, wants_usage = _apply_stream_policy(data)
-    prompt = data["prompt"]
-    if isinstance(prompt, str):
-        estimate = len(prompt) // _CHARS_PER_TOKEN + 1
-    elif isinstance(prompt[0], str):
-        estimate = sum(len(p) for p in prompt) // _CHARS_PER_TOKEN + 1
-    elif isinstance(prompt[0], int):
-        estimate = len(prompt)
-    else:
-        estimate = sum(len(p) for p in prompt)
+    estimate = apply_policy(data)
     return PreparedRequest(
         body=orjson.dumps(data),
         model=model,
@@ -222,3 +200,31 @@ def prepare_completion(body: bytes, settings: Settings, info: ModelInfo) -> Prep
         prompt_tokens_estimate=estimate,
         max_tokens=max_tokens,
     )
+
+
+def prepare_chat(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    """Validate a chat completion request and apply policy; raises InvalidRequestError / NotFoundError."""
+
+    def policy(data: dict[str, Any]) -> int:
+        messages: list[dict[str, Any]] = data["messages"]
+        if settings.inject_system_message and not any(m["role"] == "system" for m in messages):
+            data["messages"] = [{"role": "system", "content": settings.default_system_message}, *messages]
+        return sum(_text_length(m.get("content")) for m in data["messages"]) // _CHARS_PER_TOKEN + 1
+
+    return _prepare(body, ChatCompletionRequest, settings, info, policy)
+
+
+def _prompt_estimate(data: dict[str, Any]) -> int:
+    prompt = data["prompt"]
+    if isinstance(prompt, str):
+        return len(prompt) // _CHARS_PER_TOKEN + 1
+    if isinstance(prompt[0], str):
+        return sum(len(p) for p in prompt) // _CHARS_PER_TOKEN + 1
+    if isinstance(prompt[0], int):
+        return len(prompt)
+    return sum(len(p) for p in prompt)
+
+
+def prepare_completion(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    """Validate a text completion request and apply policy; raises InvalidRequestError / NotFoundError."""
+    return _prepare(body, CompletionRequest, settings, info, _prompt_estimate)
