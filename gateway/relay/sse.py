@@ -159,8 +159,7 @@ class SSERelay:
             self._metrics.client_disconnects.labels("stream").inc()
         finally:
             self._upstream.close()
-            if self._on_finish is not None:
-                await self._on_finish()
+            await self._finish()
 
     async def _pump(self, send: Send) -> None:
         content = self._upstream.content
@@ -219,6 +218,8 @@ class SSERelay:
                     chunk = self._take_usage(chunk)
                 if chunk[-24:].rstrip().endswith(_DONE):
                     self._saw_done = True
+                    # Settle before the client sees the end: its next request must find the slot free.
+                    await self._finish()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
             alarm.close()
@@ -234,6 +235,12 @@ class SSERelay:
             )
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _finish(self) -> None:
+        """Run `on_finish` once (releases the key's concurrency slot and settles its tokens)."""
+        on_finish, self._on_finish = self._on_finish, None
+        if on_finish is not None:
+            await on_finish()
 
     def _take_usage(self, chunk: bytes) -> bytes:
         """Record the usage of every line that carries one; drop usage-only events the client did not ask for."""
