@@ -99,6 +99,10 @@ class BenchProcess:
             start_new_session=True,
         )
 
+    def poll(self) -> int | None:
+        """The exit code once the process has exited, else None (also None before `start`)."""
+        return None if self._process is None else self._process.poll()
+
     def log_tail(self, size: int = 2000) -> str:
         """The end of the process's output."""
         self._log.flush()

@@ -3,9 +3,11 @@
 No framework, no JSON parsing: the request is found with byte searches, every answer is pre-encoded.
 It must cost far less CPU than the gateway so its core is never the bottleneck. Imports nothing of ours.
 
-    python -m loadtest.stub_engine --port P [--chunks N] [--chunk-delay S]
+    python -m loadtest.stub_engine --port P [--chunks N] [--chunk-delay S] [--prefill-delay S]
 
 A stream has `max_tokens` content chunks when the body carries `"max_tokens":<n>`, else `--chunks`.
+`--prefill-delay` holds the first content chunk (and a non-streamed answer) back, like a prompt's prefill;
+later chunks follow `--chunk-delay` apart, so a load generator's TTFT and inter-token latency are known.
 Request bodies need a Content-Length (no chunked uploads); pipelined requests are answered in order.
 """
 
@@ -152,10 +154,11 @@ def _int_after(body: bytes, marker: bytes) -> int | None:
 class _Connection(asyncio.Protocol):
     """One keep-alive client connection; at most one stream in flight, later requests wait in the buffer."""
 
-    def __init__(self, canned: _Canned, chunks: int, delay: float) -> None:
+    def __init__(self, canned: _Canned, chunks: int, delay: float, prefill: float = 0.0) -> None:
         self._canned = canned
         self._chunks = chunks
         self._delay = delay
+        self._prefill = prefill
         self._loop = asyncio.get_running_loop()
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
@@ -207,6 +210,10 @@ class _Connection(asyncio.Protocol):
             chat = line.startswith(b"post /v1/chat/")
             if b'"stream":true' in body or b'"stream": true' in body:
                 self._start_stream(transport, chat, body)
+            elif self._prefill > 0:
+                # Held back like a stream's first chunk; later pipelined requests wait behind it.
+                self._frames, self._next = [canned.chat if chat else canned.completion], 0
+                self._schedule(self._prefill)
             else:
                 transport.write(canned.chat if chat else canned.completion)
         else:
@@ -224,11 +231,11 @@ class _Connection(asyncio.Protocol):
         frames.append(canned.done)
         self._frames, self._next = frames, 0
         transport.write(canned.stream_head)
-        self._schedule()
+        self._schedule(max(self._prefill, self._delay))
 
-    def _schedule(self) -> None:
-        if self._delay > 0:
-            self._loop.call_later(self._delay, self._write_next)
+    def _schedule(self, delay: float) -> None:
+        if delay > 0:
+            self._loop.call_later(delay, self._write_next)
         else:
             self._loop.call_soon(self._write_next)
 
@@ -238,18 +245,18 @@ class _Connection(asyncio.Protocol):
         self._transport.write(self._frames[self._next])
         self._next += 1
         if self._next < len(self._frames):
-            self._schedule()
+            self._schedule(self._delay)
             return
         self._frames = []
         if self._buffer:
             self._serve_buffered()
 
 
-async def serve(host: str, port: int, chunks: int, delay: float) -> None:
+async def serve(host: str, port: int, chunks: int, delay: float, prefill: float = 0.0) -> None:
     """Serve until SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
     canned = _Canned()
-    server = await loop.create_server(lambda: _Connection(canned, chunks, delay), host, port, backlog=1024)
+    server = await loop.create_server(lambda: _Connection(canned, chunks, delay, prefill), host, port, backlog=1024)
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
@@ -264,8 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunks", type=int, default=16, help="content chunks per stream without max_tokens")
     parser.add_argument("--chunk-delay", type=float, default=0.0, help="seconds between two stream chunks")
+    parser.add_argument(
+        "--prefill-delay", type=float, default=0.0, help="seconds before the first chunk or a non-streamed answer"
+    )
     args = parser.parse_args(argv)
-    uvloop.run(serve(args.host, args.port, max(1, args.chunks), max(0.0, args.chunk_delay)))
+    chunks, delay, prefill = max(1, args.chunks), max(0.0, args.chunk_delay), max(0.0, args.prefill_delay)
+    uvloop.run(serve(args.host, args.port, chunks, delay, prefill))
     return 0
 
 

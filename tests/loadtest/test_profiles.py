@@ -1,0 +1,94 @@
+"""`profiles` on the CPU tier: two operator profiles extending cpu-dev, each started through the supervisor on
+the tiny demo model, measured and stopped; one row per profile. The table's shape is what is checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.cli import main
+from loadtest.schema import validate
+from tests.procs import REPO_ROOT
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+CACHE_ROOT = REPO_ROOT / ".cache"
+PROFILES = """
+[profiles.cpu-a]
+extends = "cpu-dev"
+description = "cpu-dev, at most 2 sequences in a batch"
+max-num-seqs = 2
+
+[profiles.cpu-b]
+extends = "cpu-dev"
+description = "cpu-dev, at most 8 sequences in a batch"
+max-num-seqs = 8
+"""
+
+
+@pytest.fixture(scope="module")
+def demo_model() -> str:
+    """The demo model the engine tier uses (written by a child: torch stays out of this process)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vLLM is not installed in this venv: run scripts/install-engine-cpu", pytrace=False)
+    code = (
+        "import sys; from pathlib import Path; from tests.engine._vllm import ensure_demo_model as ensure; "
+        "print(ensure(Path(sys.argv[1])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(CACHE_ROOT)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_profiles_give_one_row_per_profile(
+    demo_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(CACHE_ROOT / "vllm"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    profiles_file = tmp_path / "profiles.toml"
+    profiles_file.write_text(PROFILES)
+    out = tmp_path / "out"
+    code = main(
+        [
+            "profiles",
+            "--profiles",
+            "cpu-a,cpu-b",
+            "--model-path",
+            demo_model,
+            "--profiles-file",
+            str(profiles_file),
+            # Kept between runs: the supervisor caches vLLM's flag list there (~30 s to read once).
+            "--state-dir",
+            str(CACHE_ROOT / "loadtest-engine"),
+            "--start-timeout",
+            "240",
+            *("--requests", "6", "--concurrency", "2", "--warmup", "1", "--max-tokens", "8", "--ignore-eos"),
+            *("--prompt-tokens-mean", "24", "--timeout", "60", "--out", str(out), "--quiet"),
+        ]
+    )
+    table = capsys.readouterr().out
+    assert code == 0, table
+    rows = [line for line in table.splitlines() if line.startswith("| cpu-")]
+    assert [row.split(" | ")[0] for row in rows] == ["| cpu-a", "| cpu-b"]
+    assert all(row.split(" | ")[4] == "n/a" for row in rows), "no GPU here: GPU memory reads n/a"
+    document = json.loads((out / "results.json").read_text())
+    assert validate(document) == [] and document["failures"] == {}
+    assert document["target"]["via"] == "engine" and document["target"]["model"] == "nemotron"
+    for point in document["points"]:
+        summary = point["summary"]
+        assert summary["ok"] == 6 and summary["output_tokens"] == 6 * 8 and summary["ttft_ms"]["count"] == 6
+        # The engine's own counters, scraped before and after the point.
+        delta = point["telemetry"]["metrics_delta"]
+        assert sum(v for k, v in delta.items() if k.startswith("vllm:generation_tokens_total")) >= 6 * 8
+    assert "## Profiles" in (out / "report.md").read_text()
