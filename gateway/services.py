@@ -64,11 +64,13 @@ class Services:
                 )
             await self.keys.start()
             await self.limiter.start()
+            await self.guard.start()
         else:
             logger.warning("authentication is OFF (NEMOTRON_AUTH__ENABLED=false): anyone reaching this port is served")
 
     async def stop(self) -> None:
         """Stop probes and background tasks, close pools."""
+        await self.guard.stop()
         await self.keys.stop()
         await self.limiter.stop()
         await self.monitor.stop()

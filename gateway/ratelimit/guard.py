@@ -2,10 +2,15 @@
 
 Imports errors and settings. The address is resolved by the app (uvicorn's forwarded-allow-ips), not here.
 The guard is a brake, not a gate: if Redis is down it lets requests through, and authentication fails closed.
+Checking costs no Redis call (the hot path keeps its one round trip): failures are counted in Redis, and a
+block, once decided, is published to every gateway process, which keeps it in memory. A process that
+missed the message learns the block from the next failure of that address (the count script returns it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -19,10 +24,13 @@ from gateway.settings import Settings
 logger = logging.getLogger(__name__)
 
 _PREFIX = "nemotron:authfail:"
+_BLOCKS_CHANNEL = "nemotron:authfail:blocks"
 _MAX_REMEMBERED = 10_000
 
 # KEYS: failure counter, block flag. ARGV: window ms, limit, block ms. Returns the block in ms, or 0.
 _RECORD_FAILURE = """
+local blocked = redis.call('PTTL', KEYS[2])
+if blocked > 0 then return blocked end
 local failures = redis.call('INCR', KEYS[1])
 if failures == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 if failures >= tonumber(ARGV[2]) then
@@ -45,23 +53,28 @@ class FailedAuthGuard:
         # Blocks this process already knows of, so a blocked client hammering us costs no Redis call.
         self._blocked_until: dict[str, float] = {}
         self._last_warning = 0.0
+        self._listener: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Listen for blocks decided by any gateway process."""
+        if self._listener is None:
+            self._listener = asyncio.create_task(self._listen(), name="failed-auth-blocks")
+
+    async def stop(self) -> None:
+        """Stop listening."""
+        task, self._listener = self._listener, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=self._deadline + 1)
 
     async def check(self, address: str) -> None:
-        """Raise RateLimitError if `address` is blocked."""
-        now = time.monotonic()
+        """Raise RateLimitError if `address` is blocked (in memory: no Redis call)."""
         until = self._blocked_until.get(address)
         if until is not None:
+            now = time.monotonic()
             if until > now:
                 raise self._error(until - now)
             del self._blocked_until[address]
-        try:
-            remaining_ms = int(await self._redis.pttl(_block_key(address)))
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._warn(exc)
-            return
-        if remaining_ms > 0:
-            self._block(address, remaining_ms, now)
-            raise self._error(remaining_ms / 1000)
 
     async def record_failure(self, address: str) -> None:
         """Count one failed authentication from `address`; enough of them within the window block it."""
@@ -76,10 +89,36 @@ class FailedAuthGuard:
             self._warn(exc)
             return
         if blocked_ms > 0:
-            logger.warning(
-                "Client %s blocked for %.0f s after repeated failed authentication", address, blocked_ms / 1000
-            )
+            if address not in self._blocked_until:
+                logger.warning(
+                    "Client %s blocked for %.0f s after repeated failed authentication", address, blocked_ms / 1000
+                )
             self._block(address, blocked_ms, time.monotonic())
+            try:
+                await self._redis.publish(_BLOCKS_CHANNEL, f"{blocked_ms} {address}")
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._warn(exc)
+
+    async def _listen(self) -> None:
+        backoff = 0.1
+        while self._listener is not None:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(_BLOCKS_CHANNEL)
+                backoff = 0.1
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        milliseconds, _, address = bytes(message["data"]).decode().partition(" ")
+                        if milliseconds.isdigit() and address:
+                            self._block(address, int(milliseconds), time.monotonic())
+            except (RedisError, OSError) as exc:
+                self._warn(exc)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
 
     def _block(self, address: str, milliseconds: int, now: float) -> None:
         if len(self._blocked_until) >= _MAX_REMEMBERED:

@@ -155,8 +155,10 @@ class SSERelay:
         try:
             await run_until_disconnect(receive, self._pump(send))
         except ClientDisconnectedError:
-            self._record.client_disconnected = True
-            self._metrics.client_disconnects.labels("stream").inc()
+            # A client that hangs up right after `[DONE]` got its whole answer.
+            if not self._saw_done:
+                self._record.client_disconnected = True
+                self._metrics.client_disconnects.labels("stream").inc()
         finally:
             self._upstream.close()
             await self._finish()

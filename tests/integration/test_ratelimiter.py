@@ -17,7 +17,7 @@ from gateway.errors import KeyStoreUnavailableError, RateLimitError
 from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter
 from gateway.settings import AuthSettings, RateLimitSettings, Settings
 from gateway.store import connect_redis
-from tests.procs import free_port
+from tests.procs import async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(15)
 
@@ -44,6 +44,7 @@ class Processes:
         self.url = url
         self._clients: list[redis_asyncio.Redis] = []
         self._limiters: list[RedisRateLimiter] = []
+        self._guards: list[FailedAuthGuard] = []
 
     async def limiter(self, start: bool = True, **limits: Any) -> RedisRateLimiter:
         settings = _settings(self.url, **limits)
@@ -61,13 +62,18 @@ class Processes:
         for client in self._clients:
             await asyncio.gather(*(client.ping() for _ in range(connections)), return_exceptions=True)
 
-    def guard(self) -> FailedAuthGuard:
+    async def guard(self) -> FailedAuthGuard:
         settings = _settings(self.url)
         client = connect_redis(settings)
         self._clients.append(client)
-        return FailedAuthGuard(client, settings)
+        guard = FailedAuthGuard(client, settings)
+        await guard.start()
+        self._guards.append(guard)
+        return guard
 
     async def close(self) -> None:
+        for guard in self._guards:
+            await guard.stop()
         for limiter in self._limiters:
             await limiter.stop()
         for client in self._clients:
@@ -240,11 +246,22 @@ async def test_request_cancelled_during_admission_leaks_nothing(processes: Proce
 
 
 async def test_failed_auth_guard_blocks_and_unblocks(processes: Processes) -> None:
-    guard, elsewhere = processes.guard(), processes.guard()
+    guard, elsewhere = await processes.guard(), await processes.guard()
+    await asyncio.sleep(0.1)  # both subscribed
     for _ in range(2):
         await guard.record_failure("203.0.113.7")
         await guard.check("203.0.113.7")
     await elsewhere.record_failure("203.0.113.7")  # the third, counted in another process
+
+    async def blocked_here() -> bool:
+        try:
+            await guard.check("203.0.113.7")
+        except RateLimitError:
+            return True
+        return False
+
+    # The block reaches the first process by pub/sub: checking costs no Redis round trip.
+    await async_wait_until(blocked_here, within=0.2)
     for process in (guard, elsewhere):
         with pytest.raises(RateLimitError) as caught:
             await process.check("203.0.113.7")
@@ -267,7 +284,7 @@ async def test_redis_down_fails_closed_quickly_or_open_when_configured() -> None
         lease = await opened.acquire(_key(rpm=1), 0)
         assert lease.degraded
         await opened.release(lease)
-        guard = down.guard()
+        guard = await down.guard()
         await guard.record_failure("203.0.113.7")
         await guard.check("203.0.113.7")  # a brake, not a gate: authentication itself fails closed
         assert time.monotonic() - began < 1.0
