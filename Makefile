@@ -13,5 +13,8 @@ test-fast:      ## the suite without the real-vLLM tier
 lint:
 	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests && .venv/bin/mypy
 
-bench:          ## gateway overhead vs the engine directly (figures for the README)
-	scripts/bootstrap && .venv/bin/python -m loadtest.overhead
+bench:          ## gateway overhead vs the engine directly, without and with keys + limits (figures for the README)
+	scripts/bootstrap
+	mkdir -p loadtest/results
+	.venv/bin/python -m loadtest.overhead --json loadtest/results/overhead.json
+	.venv/bin/python -m loadtest.overhead --auth --json loadtest/results/overhead-auth.json

@@ -60,6 +60,7 @@ async def run_load(
     stream: bool,
     on_start: Callable[[], None] | None = None,
     on_end: Callable[[], None] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> LoadResult:
     """POST `body` to `url` from `concurrency` closed-loop workers until `duration` or `max_requests` is reached.
 
@@ -68,7 +69,7 @@ async def run_load(
     `on_start` and `on_end` bracket the measured requests (to snapshot CPU counters).
     """
     result = LoadResult()
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(headers or {})}
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
     issued = 0

@@ -5,6 +5,10 @@ Reports medians across rounds: latency direct vs gateway, saturation requests/s,
 CPU time per request and per relayed chunk from /proc/<pid>/stat. Imports nothing from `gateway`.
 
     python -m loadtest.overhead [--duration S] [--rounds K] [--concurrency 1 32] [--json OUT]
+    python -m loadtest.overhead --auth [--redis-url URL]    # API key + limits on: one Redis round trip more
+
+With `--auth` the gateway checks a real key and admits every request through the Redis limiter (limits
+high enough never to refuse), so the difference between the two runs is what keys and limits cost.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +48,8 @@ class Options:
     chunk_delay: float
     max_requests: int
     pin: bool
+    auth: bool = False
+    redis_url: str = "redis://127.0.0.1:6379/0"
 
 
 def workloads(options: Options) -> list[Workload]:
@@ -52,13 +60,17 @@ def workloads(options: Options) -> list[Workload]:
     return plain + streams
 
 
-async def measure(options: Options, urls: dict[str, str], meter: CpuMeter) -> list[PhaseRecord]:
+async def measure(
+    options: Options, urls: dict[str, str], meter: CpuMeter, headers: dict[str, str] | None = None
+) -> list[PhaseRecord]:
     """Warm up (discarded), then every workload against both targets per round, alternating which goes first."""
     records: list[PhaseRecord] = []
     plan = workloads(options)
     for workload in plan:
         for url in urls.values():
-            await run_phase(-1, workload, "warmup", url, meter, duration=options.warmup, max_requests=100_000)
+            await run_phase(
+                -1, workload, "warmup", url, meter, duration=options.warmup, max_requests=100_000, headers=headers
+            )
     for round_no in range(options.rounds):
         for workload in plan:
             order = [DIRECT, GATEWAY] if round_no % 2 == 0 else [GATEWAY, DIRECT]
@@ -71,6 +83,7 @@ async def measure(options: Options, urls: dict[str, str], meter: CpuMeter) -> li
                     meter,
                     duration=options.duration,
                     max_requests=options.max_requests,
+                    headers=headers if target == GATEWAY else None,
                 )
                 records.append(record)
                 sys.stderr.write(
@@ -229,11 +242,15 @@ def run(options: Options) -> list[PhaseRecord]:
         core=1 if pin else None,
     )
     gateway_cmd = Path(sys.executable).with_name("nemotron-gateway")
+    env, headers, key_name = dict(GATEWAY_ENV), None, f"bench-{os.getpid()}"
+    if options.auth:
+        env |= {"NEMOTRON_AUTH__ENABLED": "true", "NEMOTRON_REDIS_URL": options.redis_url}
+        headers = {"Authorization": f"Bearer {_create_key(gateway_cmd, options.redis_url, key_name)}"}
     gateway = BenchProcess(
         GATEWAY,
         [str(gateway_cmd), "serve", "--host", "127.0.0.1", "--port", str(gateway_port), "--engine-url", engine_url],
         core=0 if pin else None,
-        env=GATEWAY_ENV,
+        env=env,
     )
     if pin:
         pin_self(1)
@@ -242,7 +259,26 @@ def run(options: Options) -> list[PhaseRecord]:
         gateway.wait_http(gateway_url + "/health")
         meter = CpuMeter({GATEWAY: gateway.pid, ENGINE: engine.pid})
         urls = {DIRECT: engine_url + "/v1/chat/completions", GATEWAY: gateway_url + "/v1/chat/completions"}
-        return asyncio.run(measure(options, urls, meter))
+        try:
+            return asyncio.run(measure(options, urls, meter, headers))
+        finally:
+            if options.auth:
+                _keys_cli(gateway_cmd, options.redis_url, "revoke", key_name)
+
+
+def _keys_cli(gateway_cmd: Path, redis_url: str, *args: str) -> str:
+    done = subprocess.run(
+        [str(gateway_cmd), "keys", *args, "--redis-url", redis_url], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"nemotron-gateway keys {args[0]} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _create_key(gateway_cmd: Path, redis_url: str, name: str) -> str:
+    """A key whose limits never refuse, so every request still runs the full admission script."""
+    limits = ["--rpm", "100000000", "--tpm", "1000000000", "--max-concurrency", "100000"]
+    return _keys_cli(gateway_cmd, redis_url, "create", "--name", name, *limits).strip().splitlines()[-1]
 
 
 def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
@@ -263,6 +299,8 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
     parser.add_argument("--max-requests", type=int, default=200_000, help="bound on requests per phase")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--json", type=Path, help="also write the records and summary here")
+    parser.add_argument("--auth", action="store_true", help="gateway with an API key and the Redis limiter on")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis for --auth")
     args = parser.parse_args(argv)
     few, many = sorted(args.chunks)
     if few == many:
@@ -277,6 +315,8 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
         chunk_delay=args.chunk_delay,
         max_requests=args.max_requests,
         pin=can_pin() and not args.no_pin,
+        auth=args.auth,
+        redis_url=args.redis_url,
     )
     return options, args.json
 
@@ -286,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options, json_path = parse_options(argv)
     records = run(options)
     rows, summary = summarize(records, options)
-    sys.stdout.write(f"Gateway overhead at {revision()}\n\n" + render(rows, summary, options))
+    mode = "API key and limits ON" if options.auth else "auth OFF"
+    sys.stdout.write(f"Gateway overhead ({mode}) at {revision()}\n\n" + render(rows, summary, options))
     if json_path is not None:
         report: dict[str, Any] = {"revision": revision(), "options": _options_json(options)}
         report |= {"summary": summary, "records": records_json(records)}

@@ -125,7 +125,15 @@ class CpuMeter:
 
 
 async def run_phase(
-    round_no: int, workload: Workload, target: str, url: str, meter: CpuMeter, *, duration: float, max_requests: int
+    round_no: int,
+    workload: Workload,
+    target: str,
+    url: str,
+    meter: CpuMeter,
+    *,
+    duration: float,
+    max_requests: int,
+    headers: Mapping[str, str] | None = None,
 ) -> PhaseRecord:
     """Run `workload` against `url` for `duration` seconds (at most `max_requests`) and meter it."""
     before: list[CpuSnapshot] = []
@@ -139,6 +147,7 @@ async def run_phase(
         stream=workload.stream,
         on_start=lambda: before.append(meter.snapshot()),
         on_end=lambda: after.append(meter.snapshot()),
+        headers=headers,
     )
     spent = CpuMeter.delta(before[0], after[0])
     return PhaseRecord(
