@@ -1,0 +1,155 @@
+"""The shipped nginx site (deploy/nginx/nemotron-gateway.conf) in front of a real gateway: TLS, unbuffered SSE,
+forwarded client address and request id, the per-IP limit and nginx's own refusals in OpenAI's envelope.
+
+Only the addresses, ports and certificate paths of the shipped file are replaced; everything else is as shipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import REPO_ROOT, FakeEngineControl, ServerProcess, free_port, run_gateway, wait_until
+
+SITE = REPO_ROOT / "deploy" / "nginx" / "nemotron-gateway.conf"
+MODEL = "nemotron-test"
+
+
+def _nginx() -> str:
+    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if found is None:
+        pytest.fail("nginx is not installed (scripts/test installs Debian's nginx-light as root)", pytrace=False)
+    return found
+
+
+def _site(gateway_port: int, listen_port: int, cert: Path, key: Path) -> str:
+    text = SITE.read_text()
+    replacements = {
+        "listen 443 ssl http2;": f"listen 127.0.0.1:{listen_port} ssl http2;",
+        "server 127.0.0.1:8000;": f"server 127.0.0.1:{gateway_port};",
+        "/etc/nemotron-gateway/tls/fullchain.pem": str(cert),
+        "/etc/nemotron-gateway/tls/privkey.pem": str(key),
+    }
+    for old, new in replacements.items():
+        assert old in text, f"the shipped site no longer contains {old!r}"
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, fake_engine: FakeEngineControl, redis_url: str
+) -> Iterator[tuple[str, ServerProcess]]:
+    binary = _nginx()
+    root = tmp_path_factory.mktemp("nginx")
+    root.chmod(0o777)  # worker processes run as an unprivileged user and need the temp dirs
+    cert, key = root / "cert.pem", root / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    with run_gateway(fake_engine.base_url, redis_url, env={"NEMOTRON_AUTH__ENABLED": "false"}) as gateway:
+        assert gateway.port is not None
+        port = free_port()
+        (root / "site.conf").write_text(_site(gateway.port, port, cert, key))
+        (root / "nginx.conf").write_text(
+            f"daemon off;\nworker_processes 1;\npid {root}/nginx.pid;\nerror_log {root}/error.log info;\n"
+            "events { worker_connections 256; }\n"
+            f"http {{\n  access_log {root}/access.log;\n"
+            + "".join(
+                f"  {kind}_temp_path {root}/{kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+            )
+            + f"  include {root}/site.conf;\n}}\n"
+        )
+        test = subprocess.run(
+            [binary, "-t", "-p", str(root), "-c", str(root / "nginx.conf")], capture_output=True, text=True
+        )
+        assert test.returncode == 0, test.stderr
+        url = f"https://127.0.0.1:{port}"
+        proc = ServerProcess(
+            [binary, "-p", str(root), "-c", str(root / "nginx.conf")],
+            ready_check=lambda: httpx.get(f"{url}/health", verify=False, timeout=1).status_code == 200,
+            port=port,
+        )
+        with proc.start():
+            yield url, gateway
+
+
+@pytest.fixture
+def nginx_url(stack: tuple[str, ServerProcess]) -> str:
+    return stack[0]
+
+
+@pytest.fixture
+def client(nginx_url: str, engine: FakeEngineControl) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=nginx_url, verify=False, timeout=10) as http:
+        yield http
+
+
+def chat(**extra: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def test_streams_pass_through_nginx_unbuffered(client: httpx.Client) -> None:
+    arrivals: list[float] = []
+    started = time.perf_counter()
+    body = chat(max_tokens=20, stream=True, fake_token_delay=0.05)
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.perf_counter() - started)
+    assert arrivals[-1] > 0.9
+    assert arrivals[1] < 0.4, f"first token after {arrivals[1]:.3f} s: nginx buffered the stream"
+
+
+def test_request_id_is_kept_or_made_by_nginx(client: httpx.Client, engine: FakeEngineControl) -> None:
+    kept = client.post("/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-ID": "from-client-1"})
+    assert kept.headers["x-request-id"] == "from-client-1"
+    made = client.post("/v1/chat/completions", json=chat(max_tokens=1))
+    assert len(made.headers["x-request-id"]) == 32
+    assert engine.requests()[-1]["request_id"] == made.headers["x-request-id"]
+
+
+def test_the_gateway_sees_the_client_address_nginx_forwards(
+    client: httpx.Client, stack: tuple[str, ServerProcess]
+) -> None:
+    # nginx appends its peer (127.0.0.1, a trusted proxy) to X-Forwarded-For; the gateway logs the address before.
+    response = client.get("/health", headers={"X-Forwarded-For": "203.0.113.9", "X-Request-ID": "xff-check-1"})
+    assert response.status_code == 200
+    gateway = stack[1]
+    log = wait_until(lambda: gateway.log_text() if "xff-check-1" in gateway.log_text() else None, timeout=3)
+    line = next(line for line in log.splitlines() if "xff-check-1" in line)
+    assert "gateway.access: 203.0.113.9 " in line, line
+
+
+def test_metrics_are_not_reachable_through_nginx(client: httpx.Client) -> None:
+    assert client.get("/metrics").status_code == 404
+
+
+def test_nginx_refusals_come_in_the_openai_envelope(client: httpx.Client) -> None:
+    too_large = client.post("/v1/chat/completions", content=b"x" * (3 * 1024 * 1024))
+    assert too_large.status_code == 413
+    assert too_large.json()["error"]["code"] == "request_too_large"
+
+
+async def test_per_ip_limit_answers_429_in_the_envelope(nginx_url: str) -> None:
+    async with httpx.AsyncClient(base_url=nginx_url, verify=False, timeout=10) as http:
+        answers = await asyncio.gather(*(http.get("/health") for _ in range(120)))
+    limited = [a for a in answers if a.status_code == 429]
+    assert limited, "120 requests at once must exceed rate 20/s with burst 40"
+    assert sum(a.status_code == 200 for a in answers) >= 40
+    error = limited[0].json()["error"]
+    assert error["type"] == "rate_limit_error" and limited[0].headers["retry-after"] == "1"
+    wait_until(lambda: httpx.get(f"{nginx_url}/health", verify=False).status_code == 200, timeout=5)
