@@ -13,6 +13,7 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      ├─ InternalError            500  internal_error
      └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
          ├─ EngineUnavailableError    503  code=engine_unavailable
+         │   └─ EngineRefusedError    503  (connection refused: the engine is down)
          ├─ KeyStoreUnavailableError  503  code=key_store_unavailable
          ├─ EngineProtocolError       502  code=engine_protocol_error
          └─ EngineTimeoutError        504  code=engine_timeout
@@ -137,6 +138,10 @@ class EngineUnavailableError(ServiceUnavailableError):
     """The engine is not running, not ready, or refused the connection."""
 
     code = "engine_unavailable"
+
+
+class EngineRefusedError(EngineUnavailableError):
+    """Nothing listens on the engine's port: it is down, so requests are refused fast until a probe succeeds."""
 
 
 class KeyStoreUnavailableError(ServiceUnavailableError):

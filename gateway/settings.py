@@ -42,6 +42,12 @@ class RelaySettings(_Group):
         "(`: keep-alive`) so idle-timeout proxies do not cut a long prefill.",
     )
     max_connections: int = Field(1024, ge=1, description="Size of the keep-alive connection pool to the engine.")
+    keepalive_timeout: float = Field(
+        3.0,
+        gt=0,
+        description="Seconds an idle pooled engine connection is kept; below the engine's own idle timeout "
+        "(5 s in vllm serve).",
+    )
     probe_interval: float = Field(2.0, gt=0, description="Seconds between two probes of the engine's /health.")
     probe_timeout: float = Field(2.0, gt=0, description="Seconds one /health probe may take.")
     retry_after: float = Field(

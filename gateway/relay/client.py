@@ -16,6 +16,7 @@ import orjson
 
 from gateway.errors import (
     EngineProtocolError,
+    EngineRefusedError,
     EngineTimeoutError,
     EngineUnavailableError,
 )
@@ -61,7 +62,9 @@ class EngineClient:
         """Open the connection pool."""
         connector = aiohttp.TCPConnector(
             limit=self._relay.max_connections,
-            keepalive_timeout=60,
+            # Below the engine's own idle timeout (uvicorn's 5 s in vllm serve), so the pool never sends a
+            # request on a connection the engine is closing: that would be a spurious 503.
+            keepalive_timeout=self._relay.keepalive_timeout,
             enable_cleanup_closed=True,
         )
         self._session = aiohttp.ClientSession(
@@ -108,7 +111,9 @@ class EngineClient:
                 retry_after=self._retry_after,
             ) from None
         except aiohttp.ClientConnectorError:
-            raise self._unavailable("connection refused") from None
+            raise EngineRefusedError(
+                "The model engine is unavailable (connection refused); retry shortly.", retry_after=self._retry_after
+            ) from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             raise self._unavailable("connection lost") from None
         except aiohttp.ClientError as exc:

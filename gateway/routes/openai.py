@@ -14,7 +14,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway.deps import get_record, get_services, require_api_key
-from gateway.errors import EngineUnavailableError, RequestTooLargeError
+from gateway.errors import EngineRefusedError, EngineUnavailableError, RequestTooLargeError
 from gateway.ratelimit import Lease
 from gateway.relay.client import UpstreamResponse, engine_error_body
 from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
@@ -58,7 +58,8 @@ async def _open(services: Services, path: str, prepared: PreparedRequest, record
     try:
         return await services.engine.open(path, prepared.body, record.request_id)
     except EngineUnavailableError as exc:
-        services.monitor.mark_down(exc.message)
+        if isinstance(exc, EngineRefusedError):
+            services.monitor.mark_down(exc.message)
         services.metrics.engine_errors.labels("unavailable").inc()
         raise
 

@@ -11,6 +11,7 @@ from gateway import errors
 from gateway.errors import (
     AuthenticationError,
     EngineProtocolError,
+    EngineRefusedError,
     EngineTimeoutError,
     EngineUnavailableError,
     GatewayError,
@@ -40,6 +41,7 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),
     ServiceUnavailableError: (503, "service_unavailable", "service_unavailable"),
     EngineUnavailableError: (503, "service_unavailable", "engine_unavailable"),
+    EngineRefusedError: (503, "service_unavailable", "engine_unavailable"),
     KeyStoreUnavailableError: (503, "service_unavailable", "key_store_unavailable"),
     EngineProtocolError: (502, "service_unavailable", "engine_protocol_error"),
     EngineTimeoutError: (504, "service_unavailable", "engine_timeout"),
@@ -48,6 +50,7 @@ RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
     RateLimitError,
     ServiceUnavailableError,
     EngineUnavailableError,
+    EngineRefusedError,
     KeyStoreUnavailableError,
     EngineProtocolError,
     EngineTimeoutError,
