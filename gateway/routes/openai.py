@@ -1,14 +1,13 @@
 """The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models.
 
-Handlers stay short: they call validation, the engine client and the SSE relay. The completion
-routes are plain Starlette endpoints (no FastAPI body parsing or dependency solving on the hot
-path); everything they need comes from `deps`.
+Handlers stay short: they call validation, the engine client and the SSE relay. The two completion
+handlers are dispatched by `app._CompletionRoutes` (no router, no FastAPI body parsing or dependency
+solving on the hot path) and answer with a Response or, for streams, the SSE relay (an ASGI app).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
@@ -27,17 +26,6 @@ from gateway.validation import PreparedRequest, prepare_chat, prepare_completion
 router = APIRouter()
 
 Prepare = Callable[[bytes, Settings, ModelInfo], PreparedRequest]
-
-
-class _ASGIResponse(Response):
-    """Hands an ASGI app (the SSE relay) to Starlette as a response."""
-
-    def __init__(self, app: SSERelay) -> None:
-        self._app = app
-        self.background = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self._app(scope, receive, send)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -79,7 +67,7 @@ def _engine_error(status: int, answer: bytes, headers: dict[str, str]) -> Respon
     return Response(engine_error_body(status, answer), status, headers=headers, media_type="application/json")
 
 
-async def _relay(request: Request, path: str, prepare: Prepare) -> Response:
+async def _relay(request: Request, path: str, prepare: Prepare) -> Response | SSERelay:
     services = get_services(request)
     record = get_record(request)
     key = await require_api_key(request, services)
@@ -95,7 +83,7 @@ async def _relay(request: Request, path: str, prepare: Prepare) -> Response:
     except BaseException:
         await _release(services, lease, record, reached_engine=False)
         raise
-    if not isinstance(response, _ASGIResponse):
+    if not isinstance(response, SSERelay):
         await _release(services, lease, record, reached_engine=True)
     return response
 
@@ -121,7 +109,7 @@ async def _forward(
     prepared: PreparedRequest,
     record: RequestRecord,
     lease: Lease | None,
-) -> Response:
+) -> Response | SSERelay:
     headers = lease.headers if lease is not None else {}
     try:
         if not prepared.stream:
@@ -152,21 +140,17 @@ async def _forward(
         headers=[(name.encode(), value.encode()) for name, value in headers.items()],
         on_finish=finished,
     )
-    return _ASGIResponse(relay)
+    return relay
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> Response | SSERelay:
     """POST /v1/chat/completions: validated, policy applied, relayed (streamed or not)."""
     return await _relay(request, "/v1/chat/completions", prepare_chat)
 
 
-async def completions(request: Request) -> Response:
+async def completions(request: Request) -> Response | SSERelay:
     """POST /v1/completions: validated, policy applied, relayed (streamed or not)."""
     return await _relay(request, "/v1/completions", prepare_completion)
-
-
-router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-router.add_route("/v1/completions", completions, methods=["POST"])
 
 
 @router.get("/v1/models")
