@@ -18,6 +18,7 @@ from pydantic_settings import SettingsError
 from gateway import __version__
 from gateway.app import create_app
 from gateway.auth.cli import add_keys_parser, run_keys
+from gateway.doctor import add_doctor_parser, run_doctor
 from gateway.settings import Settings
 from gateway.supervisor.cli import (
     add_engine_arguments,
@@ -27,7 +28,6 @@ from gateway.supervisor.cli import (
     show_profiles,
     show_status,
 )
-from gateway.supervisor.doctor import add_doctor_parser, run_doctor
 
 logger = logging.getLogger("gateway")
 

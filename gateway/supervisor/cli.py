@@ -20,9 +20,9 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
+from gateway.doctor import doctor_config, fatal_failures, render_table, run_checks
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import Settings
-from gateway.supervisor.doctor import doctor_config, fatal_failures, render_table, run_checks
 from gateway.supervisor.launch import prepare
 from gateway.supervisor.process import GuardedProcess
 from gateway.supervisor.profiles import Profile, ProfileError, load_profiles

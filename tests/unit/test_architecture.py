@@ -23,9 +23,20 @@ PACKAGE = ROOT / "gateway"
 
 LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/requestlog.py")
 OPTIONAL_LEAVES = ("gateway/supervisor/state.py",)
-SERVICES = ("gateway/auth/", "gateway/ratelimit/", "gateway/relay/", "gateway/supervisor/")
+SERVICES = ("gateway/auth/", "gateway/ratelimit/", "gateway/relay/", "gateway/supervisor/", "gateway/doctor/")
 WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.deps", "gateway.app")
-ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/supervisor/")
+ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/supervisor/", "gateway/doctor/")
+# The doctor checks what the supervisor would start: settings, errors, its own modules and the supervisor's
+# data about the engine (profiles and the argv builder, the status file); nothing of the request path.
+DOCTOR_MAY_IMPORT = (
+    "gateway.settings",
+    "gateway.errors",
+    "gateway.doctor",
+    "gateway.supervisor.profiles",
+    "gateway.supervisor.launch",
+    "gateway.supervisor.state",
+)
+DOCTOR_NEVER_IMPORTS = ("aiohttp", "fastapi", "starlette", "uvicorn", "gateway.relay", "gateway.app")
 # Top-level packages of the `cpu`/`gpu` extras, which the test environment need not have.
 OPTIONAL_EXTRAS = {"torch", "vllm", "flash_attn", "pynvml", "safetensors", "tokenizers", "transformers"}
 _OS_ENV_NAMES = frozenset({"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"})
@@ -152,6 +163,19 @@ def test_supervisor_never_imports_the_relay() -> None:
         str(i)
         for i in _all_imports()
         if _in(i.file, ("gateway/supervisor/",)) and _is_within(i.module, ("gateway.relay",))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_doctor_imports_only_settings_errors_its_own_modules_and_engine_data() -> None:
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if _in(i.file, ("gateway/doctor/",))
+        and (
+            _is_within(i.module, DOCTOR_NEVER_IMPORTS)
+            or (_is_within(i.module, ("gateway",)) and not _is_within(i.module, DOCTOR_MAY_IMPORT))
+        )
     ]
     assert not violations, _report(violations)
 

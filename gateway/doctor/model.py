@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.supervisor.check import Check, failed, gib, passed, skipped, warned
+from gateway.doctor.check import Check, failed, gib, passed, skipped, warned
 
 _LENGTH_KEYS = (
     "max_position_embeddings",

@@ -1,23 +1,18 @@
-"""Preflight `doctor`: runs every check on this machine, renders a table or JSON, exit code 1 on any failure.
+"""Runs every preflight check on this machine for one engine configuration (`DoctorConfig`).
 
-The supervisor calls `run_checks` and refuses to spawn the engine on `fatal_failures`; the CLI (`gateway/cli.py`)
-wires `add_doctor_parser` / `run_doctor`. Imports settings and the check modules; never the HTTP app.
+The supervisor calls `run_checks` before it spawns the engine; `doctor_config` says what the engine would be
+started with. Imports settings, the supervisor's profiles and the doctor's own modules; never the HTTP app.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.settings import Settings
-from gateway.supervisor.check import NO_GPU, Check, Status, skipped, worst
-from gateway.supervisor.checks_gpu import (
+from gateway.doctor.check import NO_GPU, Check, skipped, worst
+from gateway.doctor.gpu import (
     check_cuda_visible_devices,
     check_device_nodes,
     check_driver_vs_torch,
@@ -29,7 +24,7 @@ from gateway.supervisor.checks_gpu import (
     read_flash_attn_build,
     read_torch_build,
 )
-from gateway.supervisor.checks_host import (
+from gateway.doctor.host import (
     MIN_CACHE_DISK,
     check_cgroup,
     check_disk,
@@ -46,22 +41,10 @@ from gateway.supervisor.checks_host import (
     read_free_disk,
     read_open_files,
 )
-from gateway.supervisor.checks_model import check_model_dir, resolve_model
-from gateway.supervisor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
-from gateway.supervisor.profiles import Profile, ProfileError, load_profiles, select_profile
-
-__all__ = [
-    "Check",
-    "DoctorConfig",
-    "Status",
-    "add_doctor_parser",
-    "exit_code",
-    "fatal_failures",
-    "render_json",
-    "render_table",
-    "run_checks",
-    "run_doctor",
-]
+from gateway.doctor.model import check_model_dir, resolve_model
+from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
+from gateway.settings import Settings
+from gateway.supervisor.profiles import Profile
 
 _GPU_ROWS = (
     ("driver vs torch CUDA", True),
@@ -80,7 +63,6 @@ _MODEL_ROWS = (
     "context length",
 )
 _FATAL_MODEL_ROWS = {"model directory", "model config", "tokenizer", "context length"}
-_COLUMN = 56  # measured and fix wrap at this width in the table
 
 
 @dataclass(frozen=True)
@@ -202,74 +184,6 @@ def run_checks(config: DoctorConfig) -> list[Check]:
     return [*_gpu_checks(config, readings, env), *_host_checks(config, env), *_model_checks(config, env)]
 
 
-def fatal_failures(checks: Sequence[Check]) -> list[Check]:
-    """The failures that make the supervisor refuse to spawn the engine."""
-    return [c for c in checks if c.blocks_start]
-
-
-def exit_code(checks: Sequence[Check]) -> int:
-    """1 if any check failed (fatal or not), else 0: warnings do not fail the doctor."""
-    return int(any(c.status is Status.FAIL for c in checks))
-
-
-def _cell(text: str, width: int) -> list[str]:
-    return textwrap.wrap(text, width, break_on_hyphens=False) or [""]
-
-
-def render_table(checks: Sequence[Check]) -> str:
-    """Aligned columns STATUS, CHECK, MEASURED, FIX (long cells wrap); fatal failures marked `FAIL*`."""
-    labels = [c.status.value.upper() + ("*" if c.blocks_start else "") for c in checks]
-    name_width = max([len("CHECK"), *(len(c.name) for c in checks)])
-    measured_width = min(_COLUMN, max([len("MEASURED"), *(len(c.measured) for c in checks)]))
-    lines = [f"{'STATUS':<6}  {'CHECK':<{name_width}}  {'MEASURED':<{measured_width}}  FIX"]
-    for label, check in zip(labels, checks, strict=True):
-        measured, fix = _cell(check.measured, measured_width), _cell(check.fix, _COLUMN)
-        for i in range(max(len(measured), len(fix))):
-            row = [
-                label if i == 0 else "",
-                check.name if i == 0 else "",
-                measured[i] if i < len(measured) else "",
-            ]
-            text = f"{row[0]:<6}  {row[1]:<{name_width}}  {row[2]:<{measured_width}}  {fix[i] if i < len(fix) else ''}"
-            lines.append(text.rstrip())
-    counts = {s: sum(c.status is s for c in checks) for s in Status}
-    summary = ", ".join(f"{counts[s]} {s.value}" for s in Status)
-    fatal = fatal_failures(checks)
-    lines.append("")
-    lines.append(summary + (f"; * fatal: the supervisor will not start the engine ({len(fatal)})" if fatal else ""))
-    return "\n".join(lines) + "\n"
-
-
-def render_json(checks: Sequence[Check]) -> str:
-    """{"exit_code", "fatal_failures": [names], "checks": [{name, status, measured, fix, fatal}]}."""
-    body = {
-        "exit_code": exit_code(checks),
-        "fatal_failures": [c.name for c in fatal_failures(checks)],
-        "checks": [{**asdict(c), "status": c.status.value} for c in checks],
-    }
-    return json.dumps(body, indent=2) + "\n"
-
-
-def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """The `doctor` verb and its flags (defaults: the profiles' common values)."""
-    parser = subparsers.add_parser("doctor", help="check this machine, the model and Redis before starting the engine")
-    parser.add_argument(
-        "--model", help="model directory or hub id (default NEMOTRON_ENGINE__MODEL; model rows skipped without one)"
-    )
-    parser.add_argument("--tokenizer", help="tokenizer directory or hub id, where it differs from the model")
-    parser.add_argument("--chat-template", type=Path, help="the chat template file the engine will be given")
-    parser.add_argument("--max-model-len", type=int, help="context length to serve (default: the profile's)")
-    parser.add_argument(
-        "--gpu-memory-utilization", type=float, help="share of GPU memory vLLM takes (default: the profile's)"
-    )
-    parser.add_argument("--profile", help="engine profile whose values are checked (default NEMOTRON_ENGINE__PROFILE)")
-    parser.add_argument("--engine-port", type=int, help="port vllm serve binds on 127.0.0.1 (default: the engine's)")
-    parser.add_argument("--cache-dir", type=Path, help="model cache directory (default: HF_HUB_CACHE / HF_HOME)")
-    parser.add_argument("--cpu", action="store_true", help="the CPU profile: a missing GPU is not a failure")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    return parser
-
-
 def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
     """What the engine would be started with: the settings and the profile's flags."""
     flags = profile.flags
@@ -286,45 +200,3 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         # A profile without a GPU memory share is a CPU profile (cpu-dev): no GPU is needed.
         cpu=utilization is None,
     )
-
-
-def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
-    """Run every check for the configured engine (flags override), write the table or JSON, return the exit code."""
-    if args.profile is not None:
-        settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"profile": args.profile})})
-    try:
-        profile = select_profile(load_profiles(settings.engine.profiles_file), settings.engine.profile)
-    except ProfileError as exc:
-        sys.stderr.write(f"nemotron-gateway doctor: {exc}\n")
-        return 2
-    config = replace(
-        doctor_config(settings, profile),
-        **{
-            name: value
-            for name, value in {
-                "model": args.model,
-                "tokenizer": args.tokenizer,
-                "chat_template": args.chat_template,
-                "max_model_len": args.max_model_len,
-                "gpu_memory_utilization": args.gpu_memory_utilization,
-                "engine_port": args.engine_port,
-                "cache_dir": args.cache_dir,
-                "cpu": True if args.cpu else None,
-            }.items()
-            if value is not None
-        },
-    )
-    checks = run_checks(config)
-    sys.stdout.write(render_json(checks) if args.json else render_table(checks))
-    return exit_code(checks)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m gateway.supervisor.doctor`: the doctor alone, settings from the environment."""
-    parser = argparse.ArgumentParser(prog="nemotron-gateway")
-    add_doctor_parser(parser.add_subparsers(dest="verb", required=True))
-    return run_doctor(parser.parse_args(["doctor", *(argv if argv is not None else sys.argv[1:])]), Settings())
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

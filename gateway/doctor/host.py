@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from gateway.supervisor.check import Check, failed, gib, passed, warned
+from gateway.doctor.check import Check, failed, gib, passed, warned
 
 MIN_OPEN_FILES = 65_536
 MIN_CACHE_DISK = 15 * 10**9  # bytes: a quantised 8B model plus vLLM's compile caches

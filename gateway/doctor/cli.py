@@ -1,0 +1,76 @@
+"""The `doctor` verb: its flags, the configuration it checks, and the report on stdout (exit 1 on any failure).
+
+The CLI (`gateway/cli.py`) wires `add_doctor_parser` / `run_doctor`; `python -m gateway.doctor` runs it alone.
+Imports settings, the supervisor's profiles and the doctor's own modules; never the HTTP app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from gateway.doctor.report import exit_code, render_json, render_table
+from gateway.doctor.runner import doctor_config, run_checks
+from gateway.settings import Settings
+from gateway.supervisor.profiles import ProfileError, load_profiles, select_profile
+
+
+def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """The `doctor` verb and its flags (defaults: the profiles' common values)."""
+    parser = subparsers.add_parser("doctor", help="check this machine, the model and Redis before starting the engine")
+    parser.add_argument(
+        "--model", help="model directory or hub id (default NEMOTRON_ENGINE__MODEL; model rows skipped without one)"
+    )
+    parser.add_argument("--tokenizer", help="tokenizer directory or hub id, where it differs from the model")
+    parser.add_argument("--chat-template", type=Path, help="the chat template file the engine will be given")
+    parser.add_argument("--max-model-len", type=int, help="context length to serve (default: the profile's)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, help="share of GPU memory vLLM takes (default: the profile's)"
+    )
+    parser.add_argument("--profile", help="engine profile whose values are checked (default NEMOTRON_ENGINE__PROFILE)")
+    parser.add_argument("--engine-port", type=int, help="port vllm serve binds on 127.0.0.1 (default: the engine's)")
+    parser.add_argument("--cache-dir", type=Path, help="model cache directory (default: HF_HUB_CACHE / HF_HOME)")
+    parser.add_argument("--cpu", action="store_true", help="the CPU profile: a missing GPU is not a failure")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    """Run every check for the configured engine (flags override), write the table or JSON, return the exit code."""
+    if args.profile is not None:
+        settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"profile": args.profile})})
+    try:
+        profile = select_profile(load_profiles(settings.engine.profiles_file), settings.engine.profile)
+    except ProfileError as exc:
+        sys.stderr.write(f"nemotron-gateway doctor: {exc}\n")
+        return 2
+    config = replace(
+        doctor_config(settings, profile),
+        **{
+            name: value
+            for name, value in {
+                "model": args.model,
+                "tokenizer": args.tokenizer,
+                "chat_template": args.chat_template,
+                "max_model_len": args.max_model_len,
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "engine_port": args.engine_port,
+                "cache_dir": args.cache_dir,
+                "cpu": True if args.cpu else None,
+            }.items()
+            if value is not None
+        },
+    )
+    checks = run_checks(config)
+    sys.stdout.write(render_json(checks) if args.json else render_table(checks))
+    return exit_code(checks)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m gateway.doctor`: the doctor alone, settings from the environment."""
+    parser = argparse.ArgumentParser(prog="nemotron-gateway")
+    add_doctor_parser(parser.add_subparsers(dest="verb", required=True))
+    return run_doctor(parser.parse_args(["doctor", *(argv if argv is not None else sys.argv[1:])]), Settings())

@@ -1,0 +1,64 @@
+"""The real gatherer on this machine (a tmp model directory, a free port, test Redis) and the CLI glue."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from gateway.doctor import nvml
+from gateway.doctor.check import NO_GPU, Status
+from gateway.doctor.cli import add_doctor_parser, run_doctor
+from gateway.doctor.report import exit_code, fatal_failures, render_json, render_table
+from gateway.doctor.runner import run_checks
+from gateway.settings import Settings
+from tests.procs import free_port
+from tests.unit.doctor.samples import by_name, doctor_config_for, write_model
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_real_gatherer_on_this_machine(tmp_path: Path, redis_url: str) -> None:
+    checks = run_checks(doctor_config_for(tmp_path, redis_url))
+    rows = by_name(checks)
+    if not nvml.read_gpus().devices:
+        gpu_rows = ["NVIDIA GPU", "driver vs torch CUDA", "compute capability vs flash-attn", "GPU memory free"]
+        gpu_rows += ["CUDA_VISIBLE_DEVICES", "PCIe link", "GPU device nodes"]
+        assert {rows[n].measured for n in gpu_rows} == {NO_GPU}
+        assert {rows[n].status for n in gpu_rows} == {Status.SKIP}
+    assert rows["Redis"].status is Status.PASS
+    assert rows["engine port"].status is Status.PASS
+    assert rows["context length"].status is Status.PASS
+    assert not [c for c in checks if c.status is Status.FAIL], render_table(checks)
+    assert exit_code(checks) == 0  # warnings (ulimit 20000 here) do not fail the doctor
+    assert "STATUS" in render_table(checks)
+    assert len(json.loads(render_json(checks))["checks"]) == len(checks)
+
+
+def test_real_gatherer_reports_fatal_failures(tmp_path: Path, redis_url: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        config = doctor_config_for(
+            tmp_path, redis_url, engine_port=listener.getsockname()[1], model=str(tmp_path / "absent")
+        )
+        checks = run_checks(config)
+    assert {c.name for c in fatal_failures(checks)} >= {"engine port", "model directory"}
+    assert exit_code(checks) == 1
+
+
+def test_cli_glue(tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_doctor_parser(parser.add_subparsers(dest="verb"))
+    model = write_model(tmp_path / "model")
+    argv = ["doctor", "--model", str(model), "--engine-port", str(free_port()), "--cpu", "--cache-dir", str(tmp_path)]
+    settings = Settings(redis_url=redis_url)
+    assert run_doctor(parser.parse_args([*argv, "--json"]), settings) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert {c["name"] for c in body["checks"]} >= {"Redis", "engine port", "context length"}
+    assert run_doctor(parser.parse_args([*argv, "--max-model-len", "8192"]), settings) == 1
+    table = capsys.readouterr().out
+    assert table.startswith("STATUS") and "FAIL*" in table and "context length" in table
