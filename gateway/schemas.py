@@ -7,21 +7,12 @@ the request forwarded to the engine is the client's own JSON, with policy edits 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 ROLES = ("system", "user", "assistant", "tool")
 Role = Literal["system", "user", "assistant", "tool"]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the gateway knows of the served model (from settings or the engine's /v1/models)."""
-
-    name: str
-    context_length: int | None
 
 
 class _Strict(BaseModel):

@@ -14,7 +14,8 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.schemas import ROLES, ChatCompletionRequest, CompletionRequest, ModelInfo
+from gateway.relay.model import ModelInfo
+from gateway.schemas import ROLES, ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings
 
 # Four characters a token is the usual estimate for English text; it only sizes the up-front

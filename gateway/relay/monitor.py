@@ -1,7 +1,7 @@
 """EngineMonitor: the gateway's own cached view of the engine (health probe, served model, context length).
 
 Requests are refused with a fast 503 while the engine is known to be down, instead of each one
-waiting on a hung engine. Imports settings, errors, metrics, schemas and the client.
+waiting on a hung engine. Imports settings, errors, metrics, the model facts and the client.
 """
 
 from __future__ import annotations
@@ -9,27 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 from gateway.errors import EngineUnavailableError, GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.relay.client import EngineClient
-from gateway.schemas import ModelInfo
+from gateway.relay.model import ModelInfo
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
-
-
-def model_info_from_listing(listing: Any, settings: Settings) -> ModelInfo:
-    """The served model from the engine's /v1/models answer, settings taking precedence."""
-    entries = listing.get("data") if isinstance(listing, dict) else None
-    if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
-        raise EngineUnavailableError("The model engine lists no model at /v1/models.")
-    first = entries[0]
-    name = settings.model_name or str(first.get("id"))
-    learned = first.get("max_model_len")
-    context_length = settings.context_length or (learned if isinstance(learned, int) else None)
-    return ModelInfo(name=name, context_length=context_length)
 
 
 class EngineMonitor:
@@ -67,7 +54,7 @@ class EngineMonitor:
         if reason is None and self.model is None:
             try:
                 listing = await self._client.get_json("/v1/models", self._settings.relay.probe_timeout)
-                self.model = model_info_from_listing(listing, self._settings)
+                self.model = ModelInfo.from_listing(listing, self._settings)
                 logger.info("engine serves %r (context length %s)", self.model.name, self.model.context_length)
             except GatewayError as exc:
                 reason = exc.message

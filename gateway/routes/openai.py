@@ -16,9 +16,9 @@ from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import EngineRefusedError, EngineUnavailableError, RequestTooLargeError
 from gateway.ratelimit import Lease
 from gateway.relay.client import UpstreamResponse, engine_error_body
+from gateway.relay.model import ModelInfo
 from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
 from gateway.requestlog import RequestRecord
-from gateway.schemas import ModelInfo
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.validation import PreparedRequest, prepare_chat, prepare_completion

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.schemas import ModelInfo
+from gateway.relay.model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, Settings
 from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion
 
