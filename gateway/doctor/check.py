@@ -1,6 +1,6 @@
 """The result of one preflight check (`doctor`): status, what was measured, and the fix.
 
-Imports nothing of ours; the check modules and `doctor.py` build on it.
+Imports only `rows` of ours; the check modules and the runner build on it.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+
+from gateway.doctor.rows import Row
 
 NO_GPU = "skipped: no NVIDIA GPU"
 
@@ -26,8 +28,8 @@ _SEVERITY = {Status.SKIP: 0, Status.PASS: 1, Status.WARN: 2, Status.FAIL: 3}
 class Check:
     """One row of the doctor's report.
 
-    `fatal` marks checks whose failure makes the supervisor refuse to spawn the engine; it says what kind of
-    check this is, so a passing fatal check keeps `fatal=True`.
+    `fatal` (from the row) marks checks whose failure makes the supervisor refuse to spawn the engine; it says
+    what kind of check this is, so a passing fatal check keeps `fatal=True`.
     """
 
     name: str
@@ -41,30 +43,30 @@ class Check:
         return self.fatal and self.status is Status.FAIL
 
 
-def passed(name: str, measured: str, fix: str = "", *, fatal: bool = False) -> Check:
-    return Check(name, Status.PASS, measured, fix, fatal)
+def passed(row: Row, measured: str, fix: str = "") -> Check:
+    return Check(row.name, Status.PASS, measured, fix, row.fatal)
 
 
-def warned(name: str, measured: str, fix: str, *, fatal: bool = False) -> Check:
-    return Check(name, Status.WARN, measured, fix, fatal)
+def warned(row: Row, measured: str, fix: str) -> Check:
+    return Check(row.name, Status.WARN, measured, fix, row.fatal)
 
 
-def failed(name: str, measured: str, fix: str, *, fatal: bool = False) -> Check:
-    return Check(name, Status.FAIL, measured, fix, fatal)
+def failed(row: Row, measured: str, fix: str) -> Check:
+    return Check(row.name, Status.FAIL, measured, fix, row.fatal)
 
 
-def skipped(name: str, why: str, *, fatal: bool = False) -> Check:
-    return Check(name, Status.SKIP, why, "", fatal)
+def skipped(row: Row, why: str) -> Check:
+    return Check(row.name, Status.SKIP, why, "", row.fatal)
 
 
-def worst(name: str, checks: Sequence[Check], labels: Sequence[str]) -> Check:
+def worst(row: Row, checks: Sequence[Check], labels: Sequence[str]) -> Check:
     """One row for the same check run on several GPUs: the worst status, each GPU's reading labelled."""
     if len(checks) == 1:
-        return replace(checks[0], name=name)
+        return replace(checks[0], name=row.name)
     top = max(checks, key=lambda c: _SEVERITY[c.status])
     measured = "; ".join(f"{label}: {c.measured}" for label, c in zip(labels, checks, strict=True))
     fixes = list(dict.fromkeys(c.fix for c in checks if c.fix and c.status is top.status))
-    return Check(name, top.status, measured, " ".join(fixes), top.fatal)
+    return Check(row.name, top.status, measured, " ".join(fixes), row.fatal)
 
 
 def gib(n_bytes: float) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, failed, gib, passed, skipped, warned
 from gateway.doctor.fatbin import cuda_archs
 from gateway.doctor.nvml import GpuReadings
@@ -50,13 +51,13 @@ def check_driver_vs_torch(
     driver_cuda: tuple[int, int] | None, torch_cuda: str | None, driver_version: str = "", torch_version: str = ""
 ) -> Check:
     """The driver must support the CUDA runtime torch was built for (fatal: vLLM dies at its first CUDA call)."""
-    name = "driver vs torch CUDA"
+    row = rows.DRIVER
     if driver_cuda is None:
-        return skipped(name, NO_GPU, fatal=True)
+        return skipped(row, NO_GPU)
     driver = f"driver {driver_version or '?'} (CUDA {driver_cuda[0]}.{driver_cuda[1]})"
     if torch_cuda is None:
         what = f"torch {torch_version} is a CPU-only build" if torch_version else "torch is not installed"
-        return warned(name, f"{driver}; {what}", "install the CUDA build of torch that vLLM pins", fatal=True)
+        return warned(row, f"{driver}; {what}", "install the CUDA build of torch that vLLM pins")
     major, _, minor = torch_cuda.partition(".")
     wanted = (int(major), int(minor or 0))
     measured = f"{driver}; torch {torch_version or '?'} built for CUDA {torch_cuda}"
@@ -66,48 +67,48 @@ def check_driver_vs_torch(
             f"upgrade the NVIDIA driver to branch {branch}+ (CUDA {torch_cuda}), or install torch/vLLM built for "
             f"CUDA {driver_cuda[0]}.x (e.g. the +cu{driver_cuda[0]}x wheels)"
         )
-        return failed(name, measured, fix, fatal=True)
+        return failed(row, measured, fix)
     if driver_cuda < wanted:
         fix = (
             f"runs through CUDA minor-version compatibility, but PTX JIT and newer features need driver {branch}+: "
             "upgrade the driver"
         )
-        return warned(name, measured, fix, fatal=True)
-    return passed(name, measured, fatal=True)
+        return warned(row, measured, fix)
+    return passed(row, measured)
 
 
 def check_compute_capability(cc: tuple[int, int], flash_attn_archs: set[str] | frozenset[str] | None) -> Check:
     """The GPU must be one the installed flash-attn has kernels for (sm80 kernels run on 8.x, sm90 on 9.0 only)."""
-    name = "compute capability vs flash-attn"
+    row = rows.FLASH_ATTN
     number = cc[0] * 10 + cc[1]
     measured = f"cc {cc[0]}.{cc[1]}"
     if cc < (8, 0):
         fix = "FlashAttention needs compute capability 8.0+ (Ampere): vLLM falls back to a slower backend"
-        return failed(name, measured, fix)
+        return failed(row, measured, fix)
     if flash_attn_archs is None:
-        return warned(name, f"{measured}; flash-attn archs unknown", "check that the flash-attn build covers sm_XY")
+        return warned(row, f"{measured}; flash-attn archs unknown", "check that the flash-attn build covers sm_XY")
     parsed = [p for p in (_cc_number(a) for a in flash_attn_archs) if p is not None]
     measured = f"{measured}; flash-attn has {', '.join(sorted(flash_attn_archs)) or 'no archs'}"
     if any(kind == "sm" and n // 10 == cc[0] and n % 10 <= cc[1] for kind, n in parsed):
-        return passed(name, measured)
+        return passed(row, measured)
     if any(kind == "compute" and n <= number for kind, n in parsed):
-        return warned(name, measured, f"only PTX covers sm{number}: slow JIT at first start; install a build for it")
+        return warned(row, measured, f"only PTX covers sm{number}: slow JIT at first start; install a build for it")
     fix = f"install a flash-attn / vLLM build compiled for sm{number} (TORCH_CUDA_ARCH_LIST={cc[0]}.{cc[1]})"
-    return failed(name, measured, fix)
+    return failed(row, measured, fix)
 
 
 def check_gpu_memory(free: int, total: int, utilization: float) -> Check:
     """vLLM refuses to start when free memory is below utilization * total (fatal)."""
-    name = "GPU memory free"
+    row = rows.GPU_MEMORY
     need = utilization * total
     measured = f"{gib(free)} free of {gib(total)}; --gpu-memory-utilization {utilization:g} needs {gib(need)}"
     if free < need:
         fits = max(free / total - 0.01, 0.0)
         fix = f"stop the process holding {gib(total - free)}, or lower --gpu-memory-utilization to {fits:.2f}"
-        return failed(name, measured, fix, fatal=True)
+        return failed(row, measured, fix)
     if free - need < _MEMORY_MARGIN:
-        return warned(name, measured, "under 1 GiB of headroom: another allocation will stop vLLM's start", fatal=True)
-    return passed(name, measured, fatal=True)
+        return warned(row, measured, "under 1 GiB of headroom: another allocation will stop vLLM's start")
+    return passed(row, measured)
 
 
 def _match_uuid(token: str, uuids: Sequence[str]) -> bool:
@@ -118,11 +119,11 @@ def _match_uuid(token: str, uuids: Sequence[str]) -> bool:
 
 def check_cuda_visible_devices(value: str | None, gpu_count: int, uuids: Sequence[str] = ()) -> Check:
     """Every entry must name an existing GPU: CUDA stops at the first bad one (fatal when none is left)."""
-    name = "CUDA_VISIBLE_DEVICES"
+    row = rows.CUDA_VISIBLE_DEVICES
     if gpu_count == 0:
-        return skipped(name, NO_GPU, fatal=True)
+        return skipped(row, NO_GPU)
     if value is None:
-        return passed(name, f"unset: all {gpu_count} GPU(s) visible", fatal=True)
+        return passed(row, f"unset: all {gpu_count} GPU(s) visible")
     tokens = [t.strip() for t in value.split(",")] if value.strip() else []
     good: list[str] = []
     bad: str | None = None
@@ -137,37 +138,37 @@ def check_cuda_visible_devices(value: str | None, gpu_count: int, uuids: Sequenc
     measured = f"{value!r} with {gpu_count} GPU(s) present (indices 0..{gpu_count - 1})"
     if not good:
         fix = "set CUDA_VISIBLE_DEVICES to existing indices or UUIDs (nvidia-smi -L), e.g. 0, or unset it"
-        return failed(name, f"{measured}: names no GPU", fix, fatal=True)
+        return failed(row, f"{measured}: names no GPU", fix)
     if bad is not None:
-        return warned(name, f"{measured}: CUDA ignores {bad!r} and what follows", "remove the bad entry", fatal=True)
+        return warned(row, f"{measured}: CUDA ignores {bad!r} and what follows", "remove the bad entry")
     if len(set(good)) < len(good):
-        return warned(name, f"{measured}: a GPU is named twice", "name each GPU once", fatal=True)
-    return passed(name, f"{value!r}: {len(good)} of {gpu_count} GPU(s)", fatal=True)
+        return warned(row, f"{measured}: a GPU is named twice", "name each GPU once")
+    return passed(row, f"{value!r}: {len(good)} of {gpu_count} GPU(s)")
 
 
 def check_pcie(gen: int | None, width: int | None, max_gen: int | None, max_width: int | None) -> Check:
     """A link below gen4 x16 slows weight loading and host transfers (warn; the `pcie-limited` profile helps)."""
-    name = "PCIe link"
+    row = rows.PCIE
     if gen is None or width is None:
-        return warned(name, "not readable through NVML or sysfs", "read it with nvidia-smi -q -d PCIE")
+        return warned(row, "not readable through NVML or sysfs", "read it with nvidia-smi -q -d PCIE")
     measured = f"gen{gen} x{width} (max gen{max_gen or '?'} x{max_width or '?'})"
     if width < 16 or (max_width is not None and max_width < 16):
         fix = "seat the GPU in an x16 slot / riser; meanwhile use the pcie-limited profile"
-        return warned(name, measured, fix)
+        return warned(row, measured, fix)
     if gen < 4 and (max_gen is None or max_gen < 4):
-        return warned(name, measured, "the slot tops out below gen4: use a gen4+ slot or the pcie-limited profile")
+        return warned(row, measured, "the slot tops out below gen4: use a gen4+ slot or the pcie-limited profile")
     if gen < 4:
-        return passed(name, f"{measured}; idle links train down, full speed under load")
-    return passed(name, measured)
+        return passed(row, f"{measured}; idle links train down, full speed under load")
+    return passed(row, measured)
 
 
 def check_device_nodes(nodes: dict[str, bool], gpu_present: bool) -> Check:
     """/dev/nvidiactl, /dev/nvidia-uvm and /dev/nvidiaN must exist and be read-writable for CUDA."""
-    name = "GPU device nodes"
+    row = rows.DEVICE_NODES
     if not gpu_present:
-        return skipped(name, NO_GPU)
+        return skipped(row, NO_GPU)
     if not nodes:
-        return warned(name, "no /dev/nvidia* nodes although NVML sees a GPU", "check the container's device list")
+        return warned(row, "no /dev/nvidia* nodes although NVML sees a GPU", "check the container's device list")
     closed = sorted(path for path, ok in nodes.items() if not ok)
     measured = ", ".join(sorted(nodes))
     if closed:
@@ -175,10 +176,10 @@ def check_device_nodes(nodes: dict[str, bool], gpu_present: bool) -> Check:
             "grant access: add the service user to the video group, or allow the devices in the container / "
             "cgroup (cgroup v2 filters devices by eBPF: a `systemctl daemon-reload` can drop a container's rules)"
         )
-        return failed(name, f"not read-writable: {', '.join(closed)}", fix)
+        return failed(row, f"not read-writable: {', '.join(closed)}", fix)
     if "/dev/nvidia-uvm" not in nodes:
-        return warned(name, f"{measured}; /dev/nvidia-uvm missing", "load it: nvidia-modprobe -u -c=0")
-    return passed(name, measured)
+        return warned(row, f"{measured}; /dev/nvidia-uvm missing", "load it: nvidia-modprobe -u -c=0")
+    return passed(row, measured)
 
 
 def read_torch_build() -> TorchBuild | None:
@@ -247,23 +248,23 @@ def read_flash_attn_build(libraries: Sequence[Path]) -> FlashAttnBuild | None:
 
 def check_gpu_present(readings: GpuReadings, cpu_profile: bool) -> Check:
     """A GPU profile needs an NVIDIA GPU NVML can see (fatal); the CPU profile needs none."""
-    name = "NVIDIA GPU"
+    row = rows.GPU_PRESENT
     if readings.devices:
         models = ", ".join(dict.fromkeys(d.name for d in readings.devices))
         measured = f"{len(readings.devices)} x {models}; driver {readings.driver_version}"
-        return passed(name, measured + ("; CPU profile: GPUs unused" if cpu_profile else ""), fatal=True)
+        return passed(row, measured + ("; CPU profile: GPUs unused" if cpu_profile else ""))
     if cpu_profile:
-        return skipped(name, NO_GPU if readings.error is None else f"CPU profile ({readings.error})", fatal=True)
+        return skipped(row, NO_GPU if readings.error is None else f"CPU profile ({readings.error})")
     if readings.error is not None:
         fix = "check `nvidia-smi`, the driver install, and this process's access to /dev/nvidia*"
-        return failed(name, readings.error, fix, fatal=True)
+        return failed(row, readings.error, fix)
     fix = "install the NVIDIA driver (and nvidia-ml-py), or run the CPU profile"
-    return failed(name, "no NVIDIA GPU or driver found", fix, fatal=True)
+    return failed(row, "no NVIDIA GPU or driver found", fix)
 
 
 def check_flash_attn(cc: tuple[int, int], build: FlashAttnBuild | None) -> Check:
     """`check_compute_capability` against the installed kernels, or a warning that none are installed."""
     if build is None:
         fix = "install vLLM's CUDA build (it vendors flash-attn) in the Python the supervisor runs"
-        return warned("compute capability vs flash-attn", f"cc {cc[0]}.{cc[1]}; no flash-attn kernels here", fix)
+        return warned(rows.FLASH_ATTN, f"cc {cc[0]}.{cc[1]}; no flash-attn kernels here", fix)
     return check_compute_capability(cc, build.archs)

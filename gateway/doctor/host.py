@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, warned
 
 MIN_OPEN_FILES = 65_536
@@ -46,25 +47,25 @@ def mask_url(url: str) -> str:
 
 def check_ulimit(soft: int, hard: int | None = None) -> Check:
     """Each stream holds sockets on both sides of the gateway; 20000 runs out under load."""
-    name = "open files (ulimit -n)"
+    row = rows.OPEN_FILES
     if soft == resource.RLIM_INFINITY or soft >= MIN_OPEN_FILES:
-        return passed(name, "unlimited" if soft == resource.RLIM_INFINITY else str(soft))
+        return passed(row, "unlimited" if soft == resource.RLIM_INFINITY else str(soft))
     hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     measured = f"{soft} (hard {hard_text})" if hard is not None else str(soft)
     fix = f"LimitNOFILE={MIN_OPEN_FILES} in the systemd unit, or `ulimit -n {MIN_OPEN_FILES}` before starting"
     if hard is not None and hard != resource.RLIM_INFINITY and hard < MIN_OPEN_FILES:
         fix += f" (the hard limit {hard} must be raised too: /etc/security/limits.conf)"
-    return warned(name, measured, fix)
+    return warned(row, measured, fix)
 
 
 def check_disk(free: int, path: str, need: int = MIN_CACHE_DISK) -> Check:
     """The model cache (downloads, vLLM and torch compile caches) needs room."""
-    name = "disk for model cache"
+    row = rows.DISK
     measured = f"{free / 1e9:.1f} GB free at {path} (need {need / 1e9:.0f} GB)"
     if free >= need:
-        return passed(name, measured)
+        return passed(row, measured)
     fix = "free space there, or point HF_HOME / --cache-dir at a larger filesystem"
-    return warned(name, measured, fix)
+    return warned(row, measured, fix)
 
 
 def _covers(no_proxy: str, host: str) -> bool:
@@ -96,10 +97,10 @@ def proxy_settings(env: Mapping[str, str]) -> dict[str, str]:
 def check_proxy(env: Mapping[str, str], unreachable: Mapping[str, str] | None = None) -> Check:
     """Proxy variables route the gateway's calls to 127.0.0.1 through the proxy unless NO_PROXY excludes it,
     and an unreachable proxy stalls model downloads. `unreachable` maps a proxy URL to its connect error."""
-    name = "proxy variables"
+    row = rows.PROXY
     proxies = proxy_settings(env)
     if not proxies:
-        return passed(name, "none set")
+        return passed(row, "none set")
     shown = ", ".join(f"{k}={mask_url(v)}" for k, v in proxies.items())
     no_proxy = ",".join(filter(None, (env.get("NO_PROXY"), env.get("no_proxy"))))
     problems: list[str] = []
@@ -113,15 +114,15 @@ def check_proxy(env: Mapping[str, str], unreachable: Mapping[str, str] | None = 
         problems.append(f"unreachable: {', '.join(dead)}")
         fixes.append("fix or unset the proxy; for a local model set HF_HUB_OFFLINE=1 so nothing is downloaded")
     if problems:
-        return warned(name, f"{shown}; {'; '.join(problems)}", "; ".join(fixes))
-    return passed(name, f"{shown}; NO_PROXY covers 127.0.0.1, localhost")
+        return warned(row, f"{shown}; {'; '.join(problems)}", "; ".join(fixes))
+    return passed(row, f"{shown}; NO_PROXY covers 127.0.0.1, localhost")
 
 
 def check_cgroup(info: CgroupInfo) -> Check:
     """cgroup limits that stop a model from loading: memory for weights in host RAM, pids for vLLM's threads."""
-    name = "cgroup"
+    row = rows.CGROUP
     if info.version is None:
-        return warned(name, "no cgroup filesystem at /sys/fs/cgroup", "mount cgroup2 (systemd does on boot)")
+        return warned(row, "no cgroup filesystem at /sys/fs/cgroup", "mount cgroup2 (systemd does on boot)")
     parts = [f"v{info.version}" + (" (unified)" if info.version == 2 else " (legacy/hybrid)")]
     parts.append(f"memory.max {gib(info.memory_max) if info.memory_max is not None else _UNLIMITED}")
     parts.append(f"pids.max {info.pids_max if info.pids_max is not None else _UNLIMITED}")
@@ -132,26 +133,26 @@ def check_cgroup(info: CgroupInfo) -> Check:
     if info.pids_max is not None and info.pids_max < _MIN_CGROUP_PIDS:
         fixes.append(f"raise TasksMax / pids limit to {_MIN_CGROUP_PIDS}+: vLLM and torch start many threads")
     if fixes:
-        return warned(name, measured, "; ".join(fixes))
-    return passed(name, measured)
+        return warned(row, measured, "; ".join(fixes))
+    return passed(row, measured)
 
 
 def check_redis(where: str, error: str | None) -> Check:
     """Keys and limits live in Redis; without it the gateway answers 503 (fail closed)."""
-    name = "Redis"
+    row = rows.REDIS
     if error is None:
-        return passed(name, f"PING ok at {where}")
+        return passed(row, f"PING ok at {where}")
     fix = "start Redis or fix NEMOTRON_REDIS_URL (the gateway fails closed without it)"
-    return failed(name, f"{where}: {error}", fix)
+    return failed(row, f"{where}: {error}", fix)
 
 
 def check_engine_port(host: str, port: int, error: str | None) -> Check:
     """vLLM exits after ~23 s when its port is taken (fatal)."""
-    name = "engine port"
+    row = rows.ENGINE_PORT
     if error is None:
-        return passed(name, f"{host}:{port} free", fatal=True)
+        return passed(row, f"{host}:{port} free")
     fix = f"stop what listens there (`ss -ltnp 'sport = :{port}'`) or choose another --engine-port"
-    return failed(name, f"{host}:{port} in use ({error})", fix, fatal=True)
+    return failed(row, f"{host}:{port} in use ({error})", fix)
 
 
 def _int_or_none(text: str | None) -> int | None:

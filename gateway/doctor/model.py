@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, skipped, warned
 
 _LENGTH_KEYS = (
@@ -97,32 +98,32 @@ def derived_max_len(config: Mapping[str, Any], tokenizer_config: Mapping[str, An
 
 
 def _weights(path: Path) -> Check:
-    name = "model directory"
+    row = rows.MODEL_DIRECTORY
     weights = [p for glob in _WEIGHT_GLOBS for p in path.glob(glob)]
     if not weights:
-        return failed(name, f"{path}: no weight files (*.safetensors, *.bin)", "finish the download", fatal=True)
+        return failed(row, f"{path}: no weight files (*.safetensors, *.bin)", "finish the download")
     index = _load_json(path / "model.safetensors.index.json")
     shards = set(index.get("weight_map", {}).values()) if index else set()
     missing = sorted(s for s in shards if not (path / s).exists())
     if missing:
         measured = f"{path}: {len(missing)} of {len(shards)} shards missing ({missing[0]}…)"
-        return failed(name, measured, "re-run the download (huggingface-cli download …)", fatal=True)
+        return failed(row, measured, "re-run the download (huggingface-cli download …)")
     total = (index or {}).get("metadata", {}).get("total_size")
     size = total if isinstance(total, int) else sum(p.stat().st_size for p in weights if p.exists())
-    return passed(name, f"{path}: {len(weights)} weight file(s), {gib(size)}", fatal=True)
+    return passed(row, f"{path}: {len(weights)} weight file(s), {gib(size)}")
 
 
 def _tokenizer(files: _Files) -> Check:
-    name = "tokenizer"
+    row = rows.TOKENIZER
     present = [f for f in _TOKENIZER_FILES if (files.tokenizer_dir / f).exists()]
     present += [p.name for p in files.tokenizer_dir.glob("*.tiktoken")]
     if not present:
         fix = "copy the tokenizer files in, or pass --tokenizer with the base model (AWQ repos often lack them)"
-        return failed(name, f"no tokenizer files in {files.tokenizer_dir}", fix, fatal=True)
+        return failed(row, f"no tokenizer files in {files.tokenizer_dir}", fix)
     if not files.tokenizer_config:
-        return warned(name, f"{', '.join(present)}; no tokenizer_config.json", "add the base model's", fatal=True)
+        return warned(row, f"{', '.join(present)}; no tokenizer_config.json", "add the base model's")
     kind = files.tokenizer_config.get("tokenizer_class", "?")
-    return passed(name, f"{', '.join(present)} ({kind})", fatal=True)
+    return passed(row, f"{', '.join(present)} ({kind})")
 
 
 def chat_template_text(tokenizer_dir: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
@@ -145,18 +146,18 @@ def chat_template_text(tokenizer_dir: Path, tokenizer_config: Mapping[str, Any])
 def _chat_template(
     tokenizer_dir: Path, tokenizer_config: Mapping[str, Any], override: Path | None
 ) -> tuple[Check, str | None]:
-    name = "chat template"
+    row = rows.CHAT_TEMPLATE
     if override is not None:
         try:
             text = override.read_text()
         except OSError as exc:
-            return failed(name, f"--chat-template {override}: {exc.strerror}", "pass an existing file"), None
-        return passed(name, f"{override} ({len(text)} characters)"), text
+            return failed(row, f"--chat-template {override}: {exc.strerror}", "pass an existing file"), None
+        return passed(row, f"{override} ({len(text)} characters)"), text
     found = chat_template_text(tokenizer_dir, tokenizer_config)
     if found is None:
         fix = "pass --chat-template (engine_patches ships one for Nemotron): vLLM answers chat requests 400 without"
-        return warned(name, "none in tokenizer_config.json, chat_template.jinja or .json", fix), None
-    return passed(name, f"from the tokenizer ({len(found)} characters)"), found
+        return warned(row, "none in tokenizer_config.json, chat_template.jinja or .json", fix), None
+    return passed(row, f"from the tokenizer ({len(found)} characters)"), found
 
 
 def _bos_content(tokenizer_config: Mapping[str, Any]) -> str | None:
@@ -183,9 +184,9 @@ def _post_processor_adds(tokenizer_json: Path, bos: str) -> bool | None:
 
 def check_bos(bos: str | None, add_bos_token: bool | None, template: str | None) -> Check:
     """Two BOS tokens (tokenizer adds one, the template writes another) turn Nemotron output into garbage."""
-    name = "BOS token"
+    row = rows.BOS
     if bos is None:
-        return passed(name, "the tokenizer has no BOS token")
+        return passed(row, "the tokenizer has no BOS token")
     template_adds = template is not None and ("bos_token" in template or bos in template)
     measured = f"bos {bos!r}; tokenizer adds it: {add_bos_token}; template writes it: {template_adds}"
     if template_adds and add_bos_token:
@@ -193,39 +194,37 @@ def check_bos(bos: str | None, add_bos_token: bool | None, template: str | None)
             "double BOS wherever the rendered prompt is tokenized with special tokens (/v1/completions with a "
             "templated prompt): serve a --chat-template without the BOS, or set add_bos_token false"
         )
-        return warned(name, measured, fix)
-    return passed(name, measured)
+        return warned(row, measured, fix)
+    return passed(row, measured)
 
 
 def check_rope_theta(value: object) -> Check:
     """A rope_theta stored as a string, or far from any trained value, silently breaks long prompts."""
-    name = "rope_theta"
+    row = rows.ROPE_THETA
     if value is None:
-        return passed(name, "not set (no RoPE, or the architecture's default)")
+        return passed(row, "not set (no RoPE, or the architecture's default)")
     if isinstance(value, bool) or not isinstance(value, int | float):
         fix = "write rope_theta as a number in config.json, or pass --hf-overrides '{\"rope_theta\": N}'"
-        return warned(name, f"{value!r} is not a number", fix)
+        return warned(row, f"{value!r} is not a number", fix)
     low, high = _ROPE_THETA_RANGE
     if not low <= value <= high:
         fix = "compare with the base model's config.json; override with --hf-overrides '{\"rope_theta\": N}'"
-        return warned(name, f"{value:g} is outside the usual {low:g}..{high:g}", fix)
-    return passed(name, f"{value:g}")
+        return warned(row, f"{value:g} is outside the usual {low:g}..{high:g}", fix)
+    return passed(row, f"{value:g}")
 
 
 def check_context_length(derived: int | None, max_model_len: int | None) -> Check:
     """vLLM refuses a --max-model-len above what the config allows (fatal)."""
-    name = "context length"
+    row = rows.CONTEXT_LENGTH
     if derived is None:
-        return warned(
-            name, "config.json names no context length: vLLM assumes 2048", "pass --max-model-len", fatal=True
-        )
+        return warned(row, "config.json names no context length: vLLM assumes 2048", "pass --max-model-len")
     if max_model_len is None:
-        return passed(name, f"model allows {derived}; --max-model-len not given", fatal=True)
+        return passed(row, f"model allows {derived}; --max-model-len not given")
     measured = f"--max-model-len {max_model_len}, model allows {derived}"
     if max_model_len > derived:
         fix = f"lower --max-model-len to {derived} or less (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 forces it, output degrades)"
-        return failed(name, measured, fix, fatal=True)
-    return passed(name, measured, fatal=True)
+        return failed(row, measured, fix)
+    return passed(row, measured)
 
 
 def check_model_dir(
@@ -237,27 +236,26 @@ def check_model_dir(
     model: str = "",
 ) -> list[Check]:
     """Every model-directory check; `path` None means a hub id that is not downloaded yet."""
-    rest = ("model config", "tokenizer", "chat template", "BOS token", "rope_theta", "context length")
-    fatal = {"model config", "tokenizer", "context length"}
+    rest = rows.MODEL_ROWS[1:]
     if path is None:
         fix = "vLLM downloads it at first start (needs network: see the proxy row); or download it beforehand"
         return [
-            warned("model directory", f"{model}: not in the Hugging Face cache", fix, fatal=True),
-            *(skipped(n, "model not downloaded", fatal=n in fatal) for n in rest),
+            warned(rows.MODEL_DIRECTORY, f"{model}: not in the Hugging Face cache", fix),
+            *(skipped(r, "model not downloaded") for r in rest),
         ]
     if not path.is_dir():
         fix = "pass --model an existing directory or a hub id (org/name)"
         return [
-            failed("model directory", f"{path}: no such directory", fix, fatal=True),
-            *(skipped(n, "no model directory", fatal=n in fatal) for n in rest),
+            failed(rows.MODEL_DIRECTORY, f"{path}: no such directory", fix),
+            *(skipped(r, "no model directory") for r in rest),
         ]
     checks = [_weights(path)]
     config = _load_json(path / "config.json")
     if config is None:
         what = "unreadable" if (path / "config.json").exists() else "missing"
-        checks.append(failed("model config", f"config.json {what}", "copy config.json from the model repo", fatal=True))
-        return [*checks, *(skipped(n, "no config.json", fatal=n in fatal) for n in rest[1:])]
-    checks.append(passed("model config", f"{config.get('model_type', '?')}: {config.get('architectures')}", fatal=True))
+        checks.append(failed(rows.MODEL_CONFIG, f"config.json {what}", "copy config.json from the model repo"))
+        return [*checks, *(skipped(r, "no config.json") for r in rest[1:])]
+    checks.append(passed(rows.MODEL_CONFIG, f"{config.get('model_type', '?')}: {config.get('architectures')}"))
     where = tokenizer_dir or path
     files = _Files(where, _load_json(where / "tokenizer_config.json") or {})
     checks.append(_tokenizer(files))

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, skipped, worst
 from gateway.doctor.gpu import (
     check_cuda_visible_devices,
@@ -45,24 +46,6 @@ from gateway.doctor.model import check_model_dir, resolve_model
 from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
 from gateway.settings import Settings
 from gateway.supervisor.profiles import Profile
-
-_GPU_ROWS = (
-    ("driver vs torch CUDA", True),
-    ("compute capability vs flash-attn", False),
-    ("GPU memory free", True),
-    ("CUDA_VISIBLE_DEVICES", True),
-    ("PCIe link", False),
-)
-_MODEL_ROWS = (
-    "model directory",
-    "model config",
-    "tokenizer",
-    "chat template",
-    "BOS token",
-    "rope_theta",
-    "context length",
-)
-_FATAL_MODEL_ROWS = {"model directory", "model config", "tokenizer", "context length"}
 
 
 @dataclass(frozen=True)
@@ -113,7 +96,7 @@ def _gpu_checks(config: DoctorConfig, readings: GpuReadings, env: Mapping[str, s
     nodes = check_device_nodes(device_nodes(), bool(readings.devices))
     if not readings.devices or config.cpu:
         why = "skipped: CPU profile" if readings.devices else NO_GPU
-        return [present, *(skipped(name, why, fatal=fatal) for name, fatal in _GPU_ROWS), nodes]
+        return [present, *(skipped(row, why) for row in rows.GPU_ROWS[1:-1]), nodes]
     torch = read_torch_build()
     flash = read_flash_attn_build(flash_attn_libraries())
     visible = _visible(readings.devices, env.get("CUDA_VISIBLE_DEVICES"))
@@ -127,9 +110,9 @@ def _gpu_checks(config: DoctorConfig, readings: GpuReadings, env: Mapping[str, s
     return [
         present,
         driver,
-        worst(_GPU_ROWS[1][0], [check_flash_attn(d.compute_capability, flash) for d in visible], labels),
+        worst(rows.FLASH_ATTN, [check_flash_attn(d.compute_capability, flash) for d in visible], labels),
         worst(
-            _GPU_ROWS[2][0],
+            rows.GPU_MEMORY,
             [check_gpu_memory(d.memory_free, d.memory_total, config.gpu_memory_utilization) for d in visible],
             labels,
         ),
@@ -137,7 +120,7 @@ def _gpu_checks(config: DoctorConfig, readings: GpuReadings, env: Mapping[str, s
             env.get("CUDA_VISIBLE_DEVICES"), len(readings.devices), [d.uuid for d in readings.devices]
         ),
         worst(
-            _GPU_ROWS[4][0],
+            rows.PCIE,
             [check_pcie(d.pcie.gen, d.pcie.width, d.pcie.max_gen, d.pcie.max_width) for d in visible],
             labels,
         ),
@@ -152,7 +135,7 @@ def _host_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
     if config.redis_url:
         redis_row = check_redis(mask_url(config.redis_url), probe_redis(config.redis_url))
     else:
-        redis_row = skipped("Redis", "no Redis URL given")
+        redis_row = skipped(rows.REDIS, "no Redis URL given")
     return [
         check_cgroup(read_cgroup()),
         check_ulimit(soft, hard),
@@ -165,7 +148,7 @@ def _host_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
 
 def _model_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
     if config.model is None:
-        return [skipped(name, "no --model given", fatal=name in _FATAL_MODEL_ROWS) for name in _MODEL_ROWS]
+        return [skipped(row, "no --model given") for row in rows.MODEL_ROWS]
     cache = hub_cache(env)
     tokenizer_dir = resolve_model(config.tokenizer, cache) if config.tokenizer else None
     return check_model_dir(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.doctor import nvml, runner
+from gateway.doctor import nvml, rows, runner
 from gateway.doctor.check import NO_GPU, Status, passed, worst
 from gateway.doctor.gpu import (
     FlashAttnBuild,
@@ -166,10 +166,10 @@ def test_gpu_presence_by_profile() -> None:
 
 
 def test_worst_merges_per_gpu_rows() -> None:
-    merged = worst("PCIe link", [check_pcie(5, 16, 5, 16), check_pcie(4, 8, 4, 16)], ["GPU 0", "GPU 1"])
+    merged = worst(rows.PCIE, [check_pcie(5, 16, 5, 16), check_pcie(4, 8, 4, 16)], ["GPU 0", "GPU 1"])
     assert merged.status is Status.WARN
     assert merged.measured.startswith("GPU 0: gen5 x16") and "GPU 1: gen4 x8" in merged.measured
-    assert worst("x", [passed("y", "one")], ["GPU 0"]).name == "x"
+    assert worst(rows.FLASH_ATTN, [passed(rows.PCIE, "one")], ["GPU 0"]).name == "compute capability vs flash-attn"
 
 
 def test_torch_build_is_read_without_importing_torch() -> None:

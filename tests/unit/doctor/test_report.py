@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from gateway.doctor import rows
 from gateway.doctor.check import failed, passed, warned
 from gateway.doctor.report import exit_code, fatal_failures, render_json, render_table
 
@@ -13,10 +14,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 SAMPLE = [
-    passed("NVIDIA GPU", "1 x NVIDIA H200; driver 580.159.04", fatal=True),
-    warned("open files (ulimit -n)", "20000", "LimitNOFILE=65536 in the systemd unit " * 3),
-    failed("engine port", "127.0.0.1:8001 in use (Address already in use)", "stop it", fatal=True),
-    failed("Redis", "redis://127.0.0.1:1/0: refused", "start Redis"),
+    passed(rows.GPU_PRESENT, "1 x NVIDIA H200; driver 580.159.04"),
+    warned(rows.OPEN_FILES, "20000", "LimitNOFILE=65536 in the systemd unit " * 3),
+    failed(rows.ENGINE_PORT, "127.0.0.1:8001 in use (Address already in use)", "stop it"),
+    failed(rows.REDIS, "redis://127.0.0.1:1/0: refused", "start Redis"),
 ]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.doctor import nvml
+from gateway.doctor import rows as report_rows
 from gateway.doctor.check import NO_GPU, Status
 from gateway.doctor.cli import add_doctor_parser, run_doctor
 from gateway.doctor.report import exit_code, fatal_failures, render_json, render_table
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_real_gatherer_on_this_machine(tmp_path: Path, redis_url: str) -> None:
     checks = run_checks(doctor_config_for(tmp_path, redis_url))
+    table = (*report_rows.GPU_ROWS, *report_rows.HOST_ROWS, *report_rows.MODEL_ROWS)
+    assert [(c.name, c.fatal) for c in checks] == [(r.name, r.fatal) for r in table]  # the table's order and flags
     rows = by_name(checks)
     if not nvml.read_gpus().devices:
         gpu_rows = ["NVIDIA GPU", "driver vs torch CUDA", "compute capability vs flash-attn", "GPU memory free"]
