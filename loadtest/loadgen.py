@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from loadtest.timing import RequestRecord, percentile, timed_request
+from loadtest.timing import RequestTiming, percentile, timed_request
 
 _DONE = b"data: [DONE]"
 # A load loop never waits longer than this on one request.
@@ -123,14 +123,14 @@ async def run_load(
 
 
 BodyFor = Callable[[int], bytes]
-OnDone = Callable[[RequestRecord], None]
+OnDone = Callable[[RequestTiming], None]
 
 
 @dataclass(slots=True)
 class Phase:
     """The timed requests of one phase (in completion order) and its wall time, first send to last answer."""
 
-    records: list[RequestRecord]
+    records: list[RequestTiming]
     wall_s: float
 
 
@@ -161,7 +161,7 @@ async def drive_closed(
 
     Stops issuing at `max_requests` or after `duration` seconds; requests in flight then are finished.
     """
-    records: list[RequestRecord] = []
+    records: list[RequestTiming] = []
     issued = 0
     started = time.perf_counter()
     deadline = started + duration
@@ -173,7 +173,7 @@ async def drive_closed(
             issued += 1
             sent = time.perf_counter() - started
             record = await timed_request(
-                http, url, body_for(index), stream=stream, record=RequestRecord(index, sent, sent)
+                http, url, body_for(index), stream=stream, record=RequestTiming(index, sent, sent)
             )
             records.append(record)
             if on_done is not None:
@@ -215,14 +215,14 @@ async def drive_open(
     `max_concurrency` caps requests in flight; arrivals then wait for a slot and the wait shows as lag
     (`sent_at - scheduled_at`). No arrival is sent after `duration`; requests in flight then are finished.
     """
-    records: list[RequestRecord] = []
+    records: list[RequestTiming] = []
     tasks: set[asyncio.Task[None]] = set()
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     started = time.perf_counter()
 
     async def one(index: int, scheduled: float) -> None:
         try:
-            record = RequestRecord(index, time.perf_counter() - started, scheduled)
+            record = RequestTiming(index, time.perf_counter() - started, scheduled)
             await timed_request(http, url, body_for(index), stream=stream, record=record)
             records.append(record)
             if on_done is not None:

@@ -11,7 +11,7 @@ import math
 import time
 from types import TracebackType
 
-from loadtest.timing import RequestRecord
+from loadtest.timing import RequestTiming
 
 try:
     from rich.console import Console
@@ -61,7 +61,7 @@ class LiveProgress:
             self._progress.stop()
             self._progress = None
 
-    def record(self, record: RequestRecord) -> None:
+    def record(self, record: RequestTiming) -> None:
         """Count one finished request."""
         if record.ok:
             bisect.insort(self._latencies, record.latency)

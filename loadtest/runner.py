@@ -17,7 +17,7 @@ from loadtest.loadgen import Phase, drive_closed, drive_open, open_session
 from loadtest.progress import LiveProgress
 from loadtest.summary import Objectives, Summary, summarize
 from loadtest.telemetry import Snapshot, metrics_delta, server_side, snapshot
-from loadtest.timing import RequestRecord
+from loadtest.timing import RequestTiming
 from loadtest.traffic import Traffic
 
 # Warm-up requests use their own prompts (indices from here), so they cannot warm the prefix cache for
@@ -101,7 +101,7 @@ class Point:
     summary: Summary
     before: Snapshot
     after: Snapshot
-    records: list[RequestRecord]
+    records: list[RequestTiming]
 
     def as_json(self) -> dict[str, Any]:
         """The point's entry in results.json."""

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from loadtest.loadgen import Phase
-from loadtest.timing import RequestRecord, percentile
+from loadtest.timing import RequestTiming, percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class Objectives:
     ttft_ms: float | None = None
     latency_ms: float | None = None
 
-    def met_by(self, record: RequestRecord) -> bool:
+    def met_by(self, record: RequestTiming) -> bool:
         """Succeeded within every objective that is set (a TTFT objective needs a streamed TTFT)."""
         if not record.ok:
             return False
@@ -113,7 +113,7 @@ def summarize(phase: Phase, objectives: Objectives) -> Summary:
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     good = sum(1 for r in records if objectives.met_by(r))
 
-    def dist(get: Callable[[RequestRecord], float | None], scale: float = 1000.0) -> Distribution:
+    def dist(get: Callable[[RequestTiming], float | None], scale: float = 1000.0) -> Distribution:
         return Distribution.of((get(r) for r in ok), scale)
 
     return Summary(
@@ -144,7 +144,7 @@ def summarize(phase: Phase, objectives: Objectives) -> Summary:
     )
 
 
-def _decode_rate(record: RequestRecord) -> float | None:
+def _decode_rate(record: RequestTiming) -> float | None:
     """Tokens per second of one stream after its first token (what one user sees)."""
     tpot = record.tpot
     return 1 / tpot if tpot else None

@@ -25,7 +25,7 @@ _DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
 
 
 @dataclass(slots=True)
-class RequestRecord:
+class RequestTiming:
     """What one request measured; times in seconds, `sent_at` from the start of its phase."""
 
     index: int
@@ -94,8 +94,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 async def timed_request(
-    http: aiohttp.ClientSession, url: str, body: bytes, *, stream: bool, record: RequestRecord
-) -> RequestRecord:
+    http: aiohttp.ClientSession, url: str, body: bytes, *, stream: bool, record: RequestTiming
+) -> RequestTiming:
     """POST `body` and fill `record`; never raises for what the server or the network did."""
     started = time.perf_counter()
     try:
@@ -118,7 +118,7 @@ async def timed_request(
     return record
 
 
-async def _read_stream(answer: aiohttp.ClientResponse, started: float, record: RequestRecord) -> None:
+async def _read_stream(answer: aiohttp.ClientResponse, started: float, record: RequestTiming) -> None:
     last = 0.0
     events = 0
     done = False
@@ -152,7 +152,7 @@ async def _read_stream(answer: aiohttp.ClientResponse, started: float, record: R
         record.output_tokens = events
 
 
-def _read_json(data: bytes, record: RequestRecord) -> None:
+def _read_json(data: bytes, record: RequestTiming) -> None:
     answer = orjson.loads(data)
     if not isinstance(answer, dict) or not answer.get("choices"):
         record.outcome, record.detail = "protocol", "a 200 answer without choices"
@@ -160,7 +160,7 @@ def _read_json(data: bytes, record: RequestRecord) -> None:
     _take_usage(answer.get("usage"), record)
 
 
-def _take_usage(usage: Any, record: RequestRecord) -> None:
+def _take_usage(usage: Any, record: RequestTiming) -> None:
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         record.output_tokens = usage["completion_tokens"]
         prompt = usage.get("prompt_tokens")

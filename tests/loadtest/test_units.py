@@ -17,7 +17,7 @@ from loadtest.loadgen import Phase, open_session
 from loadtest.progress import LiveProgress
 from loadtest.summary import Objectives, summarize
 from loadtest.telemetry import Snapshot, metrics_delta, parse_metrics, server_side
-from loadtest.timing import RequestRecord, timed_request
+from loadtest.timing import RequestTiming, timed_request
 from loadtest.traffic import (
     FilePrompts,
     PromptFileError,
@@ -118,8 +118,8 @@ def test_metrics_parsing_and_deltas() -> None:
     assert metrics_delta(Snapshot(0, None, None), Snapshot(1, after, None)) is None
 
 
-def _record(index: int, *, latency: float, ttft: float | None, outcome: str = "ok") -> RequestRecord:
-    return RequestRecord(index, 0.0, 0.0, outcome=outcome, latency=latency, ttft=ttft, output_tokens=5)
+def _record(index: int, *, latency: float, ttft: float | None, outcome: str = "ok") -> RequestTiming:
+    return RequestTiming(index, 0.0, 0.0, outcome=outcome, latency=latency, ttft=ttft, output_tokens=5)
 
 
 def test_summary_percentiles_goodput_and_errors() -> None:
@@ -193,7 +193,7 @@ async def odd_server() -> AsyncIterator[str]:
 )
 async def test_odd_streams(odd_server: str, path: str, outcome: str, tokens: int, prompt_tokens: int | None) -> None:
     async with open_session(connections=1, timeout=5, headers={}) as http:
-        record = await timed_request(http, odd_server + path, b"{}", stream=True, record=RequestRecord(0, 0, 0))
+        record = await timed_request(http, odd_server + path, b"{}", stream=True, record=RequestTiming(0, 0, 0))
     assert (record.outcome, record.status, record.prompt_tokens) == (outcome, 200, prompt_tokens)
     assert record.output_tokens == tokens or outcome in ("stream_error", "protocol")
     if outcome == "ok":
@@ -204,6 +204,6 @@ async def test_odd_streams(odd_server: str, path: str, outcome: str, tokens: int
 
 async def test_a_timeout_is_its_own_outcome(odd_server: str) -> None:
     async with open_session(connections=1, timeout=0.1, headers={}) as http:
-        record = await timed_request(http, odd_server + "/slow", b"{}", stream=True, record=RequestRecord(0, 0, 0))
+        record = await timed_request(http, odd_server + "/slow", b"{}", stream=True, record=RequestTiming(0, 0, 0))
     assert (record.outcome, record.status, record.ttft) == ("timeout", 0, None)
     assert 0.1 <= record.latency < 0.4
