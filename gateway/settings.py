@@ -61,6 +61,13 @@ class RedisSettings(_Group):
     connect_timeout: float = Field(0.5, gt=0, description="Seconds to connect to Redis.")
     socket_timeout: float = Field(0.5, gt=0, description="Seconds one Redis command may take.")
     max_connections: int = Field(256, ge=1, description="Size of the Redis connection pool.")
+    command_timeout: float = Field(
+        1.0,
+        gt=0,
+        description="Seconds one Redis operation of the gateway (key lookup, admission, release, guard count) may "
+        "take in all, its one retry on a fresh connection after a connection error included; past it the "
+        "request gets 503 (or is admitted, where `fail_open` says so). The single deadline of every Redis call.",
+    )
 
 
 class AuthSettings(_Group):
