@@ -38,18 +38,25 @@ def bearer_token(request: Request) -> str | None:
 
 
 async def require_api_key(request: Request, services: Services) -> ApiKey | None:
-    """The caller's key (None when auth is off); 401 for any bad key, 429 for an address guessing keys."""
+    """The caller's key (None when auth is off); 401 for any bad key, 429 for an address guessing keys.
+
+    A blocked address is not cut off: a key this process already knows to be valid still passes (everyone
+    behind one NAT must not lose service to one client's guessing); any other key is answered 429 at once,
+    without a Redis lookup, so guesses stay cheap and learn nothing.
+    """
     if not services.settings.auth.enabled:
         return None
     client = request.client
     address = client.host if client is not None else "-"
-    await services.guard.check(address)
+    blocked = services.guard.blocked(address)
     token = bearer_token(request)
     try:
         if token is None:
             raise AuthenticationError(_MISSING_KEY)
-        key = await services.keys.authenticate(token)
+        key = await services.keys.authenticate(token, known_only=blocked is not None)
     except AuthenticationError:
+        if blocked is not None:
+            raise blocked from None
         await services.guard.record_failure(address)
         raise
     get_record(request).key_name = key.name

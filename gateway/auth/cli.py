@@ -21,8 +21,8 @@ from gateway.auth.keys import ApiKey, KeyExistsError, KeyLimits, KeyNotFoundErro
 from gateway.auth.store import KeyStore
 from gateway.errors import GatewayError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.ratelimit import RedisRateLimiter, Usage
+from gateway.redis_client import connect_redis
 from gateway.settings import Settings
-from gateway.store import connect_redis
 
 _DURATION_PART = re.compile(r"(\d+)([smhdw])")
 _DURATION = re.compile(r"(?:\d+[smhdw])+")

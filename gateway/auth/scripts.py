@@ -12,8 +12,9 @@ return redis.call('HGETALL', ARGV[1] .. name)
 """
 
 # KEYS: record, digest index, name set. ARGV: name, then the record as field/value pairs.
+# 1 also when the record exists with this very digest: our own earlier try, whose reply was lost (a retry).
 CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('GET', KEYS[2]) == ARGV[1] and 1 or 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])

@@ -1,24 +1,21 @@
 """KeyStore: API key records in Redis, a short in-process cache, and pub/sub invalidation across processes.
 
-Imports errors, settings and auth.keys. Redis failures are mapped here, once, to KeyStoreUnavailableError.
-Redis holds digests only; secrets are never stored, logged, or put in messages.
+Imports errors, settings, auth.keys and redis_client, whose boundary (`RedisCalls`) maps Redis failures to
+KeyStoreUnavailableError. Redis holds digests only; secrets are never stored, logged, or put in messages.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Final
 
 import orjson
 import redis.asyncio as redis_asyncio
-from redis.exceptions import RedisError
 
 from gateway.auth import scripts
 from gateway.auth.keys import (
@@ -38,6 +35,7 @@ from gateway.auth.keys import (
     validate_name,
 )
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError
+from gateway.redis_client import PubSubListener, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -48,8 +46,6 @@ _DIGEST = "nemotron:{keys}:digest:"
 _NAMES = "nemotron:{keys}:names"
 INVALIDATION_CHANNEL: Final = "nemotron:keys:invalidate"
 _FLUSH_ALL = "*"  # published name meaning "drop every cached key"
-
-_UNAVAILABLE = "The API key store is unavailable; retry shortly."
 
 
 @dataclass(slots=True)
@@ -69,12 +65,15 @@ class KeyStore:
         self._redis = redis
         self._settings = settings.auth
         self._hasher = KeyHasher(settings.auth.secret)
-        # Bounds each call even when redis-py retries a dead socket several times.
-        self._deadline = settings.redis.connect_timeout + settings.redis.socket_timeout
+        self._calls = RedisCalls(settings)
         self._cache: dict[str, _Entry] = {}
+        # Digests that authenticated in this process (insertion-ordered, bounded): a client address blocked
+        # by the failed-auth guard may still use these, and only these, so its guesses are never looked up.
+        self._known: dict[str, None] = {}
         self._generation = 0
-        self._listener: asyncio.Task[None] | None = None
-        self._subscribed = asyncio.Event()
+        self._listener = PubSubListener(
+            redis, INVALIDATION_CHANNEL, self._on_invalidation, on_gap=self._flush, stop_timeout=self._calls.timeout + 1
+        )
         self._last_fail_open_warning = 0.0
         self._skip_redis_until = 0.0
         self._lookup = redis.register_script(scripts.LOOKUP)
@@ -92,37 +91,29 @@ class KeyStore:
     @property
     def subscribed(self) -> bool:
         """Whether invalidations are currently being received."""
-        return self._subscribed.is_set()
+        return self._listener.subscribed
 
     async def start(self) -> None:
         """Start the invalidation listener and wait briefly for its subscription (Redis may be down)."""
-        if self._listener is not None:
-            return
-        self._listener = asyncio.create_task(self._listen(), name="keystore-invalidation")
-        try:
-            async with asyncio.timeout(self._deadline):
-                await self._subscribed.wait()
-        except TimeoutError:
+        self._listener.start()
+        if not await self._listener.wait_subscribed(self._calls.timeout):
             logger.warning("Key invalidations not subscribed yet; cached keys live at most %.1f s", self._cache_ttl)
 
     async def stop(self) -> None:
-        """Cancel the listener and wait for it."""
-        task, self._listener = self._listener, None
-        if task is None:
-            return
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
+        """Stop the listener (a bounded wait, even if Redis is gone)."""
+        await self._listener.stop()
 
-    async def authenticate(self, secret: str | None) -> ApiKey:
-        """The key for `secret`, or AuthenticationError with one message whatever the reason."""
+    async def authenticate(self, secret: str | None, *, known_only: bool = False) -> ApiKey:
+        """The key for `secret`, or AuthenticationError with one message whatever the reason.
+
+        `known_only` (a client address blocked for guessing): a secret that never authenticated in this
+        process fails at once, without a Redis lookup; a known one is checked as usual (revocation holds).
+        """
         if not secret or not looks_like_secret(secret):
             raise AuthenticationError(INVALID_KEY_MESSAGE)
         digest = self._hasher.digest(secret)
+        if known_only and digest not in self._known:
+            raise AuthenticationError(INVALID_KEY_MESSAGE)
         now = time.monotonic()
         entry = self._cache.get(digest)
         if entry is not None and now - entry.fetched_at < self._cache_ttl:
@@ -131,6 +122,10 @@ class KeyStore:
             key = await self._fetch(digest, now, entry)
         if key.state(datetime.now(UTC)) is not KeyState.ACTIVE:
             raise AuthenticationError(INVALID_KEY_MESSAGE)
+        if digest not in self._known:
+            if len(self._known) >= self._settings.cache_size:
+                del self._known[next(iter(self._known))]
+            self._known[digest] = None
         return key
 
     async def create(
@@ -155,32 +150,32 @@ class KeyStore:
             models=validate_models(tuple(models) if models is not None else None),
         )
         fields = _key_to_fields(key, digest)
-        async with self._boundary():
-            created = await self._create(keys=[_RECORD + name, _DIGEST + digest, _NAMES], args=[name, *fields])
+        created = await self._calls(
+            lambda: self._create(keys=[_RECORD + name, _DIGEST + digest, _NAMES], args=[name, *fields])
+        )
         if not created:
             raise KeyExistsError(f"An API key named '{name}' already exists.", param="name")
         return key, secret
 
     async def get(self, name: str) -> ApiKey:
         """The key named `name`, whatever its state; KeyNotFoundError if none."""
-        async with self._boundary():
-            raw = await self._redis.hgetall(_RECORD + validate_name(name))
+        record = _RECORD + validate_name(name)
+        raw = await self._calls(lambda: self._redis.hgetall(record))
         if not raw:
             raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
         return _fields_to_key(raw)[0]
 
     async def list(self) -> builtins.list[ApiKey]:
         """Every key (revoked ones too), sorted by name."""
-        async with self._boundary():
-            records = await self._list(keys=[_NAMES], args=[_RECORD])
+        records = await self._calls(lambda: self._list(keys=[_NAMES], args=[_RECORD]))
         keys = [_fields_to_key(_pairs(raw))[0] for raw in records if raw]
         return sorted(keys, key=lambda key: key.name)
 
     async def revoke(self, name: str) -> None:
         """Revoke `name` for good: it stops working everywhere within a second; the record stays for audit."""
         args = [_DIGEST, INVALIDATION_CHANNEL, name, repr(time.time())]
-        async with self._boundary():
-            found = await self._revoke(keys=[_RECORD + validate_name(name)], args=args)
+        record = _RECORD + validate_name(name)
+        found = await self._calls(lambda: self._revoke(keys=[record], args=args))
         if not found:
             raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
 
@@ -189,8 +184,8 @@ class KeyStore:
         secret = generate_secret()
         digest = self._hasher.digest(secret)
         args = [_DIGEST, INVALIDATION_CHANNEL, name, digest, display_prefix(secret)]
-        async with self._boundary():
-            result = await self._rotate(keys=[_RECORD + validate_name(name), _DIGEST + digest], args=args)
+        keys = [_RECORD + validate_name(name), _DIGEST + digest]
+        result = await self._calls(lambda: self._rotate(keys=keys, args=args))
         self._raise_for_update(name, result)
         return secret
 
@@ -240,14 +235,13 @@ class KeyStore:
             return stale.key  # Redis just failed: do not make every request wait for its timeout again
         generation = self._generation
         try:
-            async with asyncio.timeout(self._deadline):
-                raw = await self._lookup(keys=[_DIGEST + digest], args=[_RECORD])
-        except (RedisError, OSError, TimeoutError) as exc:
+            raw = await self._calls(lambda: self._lookup(keys=[_DIGEST + digest], args=[_RECORD]))
+        except KeyStoreUnavailableError as exc:
             if may_fail_open and stale is not None:
                 self._skip_redis_until = time.monotonic() + self._cache_ttl
-                self._warn_fail_open(exc)
+                self._warn_fail_open(exc.__cause__ or exc)
                 return stale.key
-            raise KeyStoreUnavailableError(_UNAVAILABLE) from exc
+            raise
         if not raw:
             self._cache.pop(digest, None)
             raise AuthenticationError(INVALID_KEY_MESSAGE)
@@ -275,10 +269,8 @@ class KeyStore:
             logger.warning("Redis unavailable (%s); admitting cached keys (auth.fail_open)", type(exc).__name__)
 
     async def _apply(self, name: str, fields: builtins.list[str]) -> ApiKey:
-        async with self._boundary():
-            result = await self._update(
-                keys=[_RECORD + validate_name(name)], args=[INVALIDATION_CHANNEL, name, *fields]
-            )
+        record = _RECORD + validate_name(name)
+        result = await self._calls(lambda: self._update(keys=[record], args=[INVALIDATION_CHANNEL, name, *fields]))
         self._raise_for_update(name, result)
         return await self.get(name)
 
@@ -289,48 +281,11 @@ class KeyStore:
         if result < 0:
             raise KeyRevokedError(f"The API key '{name}' is revoked; create a new one.", param="name")
 
-    @contextlib.asynccontextmanager
-    async def _boundary(self) -> AsyncIterator[None]:
-        try:
-            async with asyncio.timeout(self._deadline):
-                yield
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise KeyStoreUnavailableError(_UNAVAILABLE) from exc
+    def _on_invalidation(self, data: bytes) -> None:
+        self.invalidate(data.decode())
 
-    async def _listen(self) -> None:
-        backoff = 0.1
-        while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-            connection: Any = None
-            try:
-                await pubsub.subscribe(INVALIDATION_CHANNEL)
-                connection = pubsub.connection
-                if connection is not None:
-                    # redis-py resubscribes by itself after a reconnect; what was published meanwhile is lost.
-                    connection.register_connect_callback(self._on_reconnect)
-                self.invalidate(_FLUSH_ALL)
-                self._subscribed.set()
-                logger.debug("Subscribed to key invalidations")
-                backoff = 0.1
-                while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None and message.get("type") == "message":
-                        self.invalidate(bytes(message["data"]).decode())
-            except (RedisError, OSError) as exc:
-                # Warn once per outage; the cache TTL keeps revocations within a second meanwhile.
-                level = logging.WARNING if self._subscribed.is_set() else logging.DEBUG
-                logger.log(level, "Key invalidation subscription lost (%s); retrying", type(exc).__name__)
-            finally:
-                self._subscribed.clear()
-                self.invalidate(_FLUSH_ALL)
-                if connection is not None:
-                    connection.deregister_connect_callback(self._on_reconnect)
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
-
-    def _on_reconnect(self, connection: Any) -> None:
+    def _flush(self) -> None:
+        # Invalidations may have been missed (subscribing, lost, reconnected): the cache cannot be trusted.
         self.invalidate(_FLUSH_ALL)
 
 

@@ -1,7 +1,9 @@
 """FailedAuthGuard: a client address that keeps failing authentication gets 429 for a while.
 
-Imports errors and settings. The address is resolved by the app (uvicorn's forwarded-allow-ips), not here.
-The guard is a brake, not a gate: if Redis is down it lets requests through, and authentication fails closed.
+Imports errors, settings and redis_client. The address is resolved by the app (uvicorn's forwarded-allow-ips),
+not here. The guard is a brake, not a gate: if Redis is down it lets requests through, and authentication fails
+closed. A block stops guessing, not the address: keys that already authenticated in this process keep working
+from a blocked address (everyone behind one NAT), see `KeyStore.authenticate(known_only=True)`.
 Checking costs no Redis call (the hot path keeps its one round trip): failures are counted in Redis, and a
 block, once decided, is published to every gateway process, which keeps it in memory. A process that
 missed the message learns the block from the next failure of that address (the count script returns it).
@@ -9,16 +11,14 @@ missed the message learns the block from the next failure of that address (the c
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
 import time
 
 import redis.asyncio as redis_asyncio
-from redis.exceptions import RedisError
 
-from gateway.errors import RateLimitError
+from gateway.errors import KeyStoreUnavailableError, RateLimitError
+from gateway.redis_client import PubSubListener, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -48,33 +48,36 @@ class FailedAuthGuard:
     def __init__(self, redis: redis_asyncio.Redis, settings: Settings) -> None:
         self._redis = redis
         self._settings = settings.auth
-        self._deadline = settings.redis.connect_timeout + settings.redis.socket_timeout
+        self._calls = RedisCalls(settings)
         self._record = redis.register_script(_RECORD_FAILURE)
         # Blocks this process already knows of, so a blocked client hammering us costs no Redis call.
         self._blocked_until: dict[str, float] = {}
         self._last_warning = 0.0
-        self._listener: asyncio.Task[None] | None = None
+        self._listener = PubSubListener(redis, _BLOCKS_CHANNEL, self._on_block, stop_timeout=self._calls.timeout + 1)
 
     async def start(self) -> None:
         """Listen for blocks decided by any gateway process."""
-        if self._listener is None:
-            self._listener = asyncio.create_task(self._listen(), name="failed-auth-blocks")
+        self._listener.start()
 
     async def stop(self) -> None:
-        """Stop listening."""
-        task, self._listener = self._listener, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=self._deadline + 1)
+        """Stop listening (a bounded wait, even if Redis is gone)."""
+        await self._listener.stop()
 
-    async def check(self, address: str) -> None:
-        """Raise RateLimitError if `address` is blocked (in memory: no Redis call)."""
+    def blocked(self, address: str) -> RateLimitError | None:
+        """The 429 for `address` while it is blocked, else None (in memory: no Redis call)."""
         until = self._blocked_until.get(address)
         if until is not None:
             now = time.monotonic()
             if until > now:
-                raise self._error(until - now)
+                return self._error(until - now)
             del self._blocked_until[address]
+        return None
+
+    async def check(self, address: str) -> None:
+        """Raise RateLimitError if `address` is blocked (in memory: no Redis call)."""
+        error = self.blocked(address)
+        if error is not None:
+            raise error
 
     async def record_failure(self, address: str) -> None:
         """Count one failed authentication from `address`; enough of them within the window block it."""
@@ -83,10 +86,12 @@ class FailedAuthGuard:
             self._settings.failed_auth_limit,
             max(1, round(self._settings.failed_auth_block * 1000)),
         ]
+        keys = [_count_key(address), _block_key(address)]
         try:
-            blocked_ms = int(await self._record(keys=[_count_key(address), _block_key(address)], args=args))
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._warn(exc)
+            # A retry after a lost reply may count one failure twice: the guard is a brake, that is harmless.
+            blocked_ms = int(await self._calls(lambda: self._record(keys=keys, args=args)))
+        except KeyStoreUnavailableError as exc:
+            self._warn(exc.__cause__ or exc)
             return
         if blocked_ms > 0:
             if address not in self._blocked_until:
@@ -94,31 +99,16 @@ class FailedAuthGuard:
                     "Client %s blocked for %.0f s after repeated failed authentication", address, blocked_ms / 1000
                 )
             self._block(address, blocked_ms, time.monotonic())
+            message = f"{blocked_ms} {address}"
             try:
-                await self._redis.publish(_BLOCKS_CHANNEL, f"{blocked_ms} {address}")
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._warn(exc)
+                await self._calls(lambda: self._redis.publish(_BLOCKS_CHANNEL, message))
+            except KeyStoreUnavailableError as exc:
+                self._warn(exc.__cause__ or exc)
 
-    async def _listen(self) -> None:
-        backoff = 0.1
-        while self._listener is not None:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(_BLOCKS_CHANNEL)
-                backoff = 0.1
-                while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None and message.get("type") == "message":
-                        milliseconds, _, address = bytes(message["data"]).decode().partition(" ")
-                        if milliseconds.isdigit() and address:
-                            self._block(address, int(milliseconds), time.monotonic())
-            except (RedisError, OSError) as exc:
-                self._warn(exc)
-            finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+    def _on_block(self, data: bytes) -> None:
+        milliseconds, _, address = data.decode().partition(" ")
+        if milliseconds.isdigit() and address:
+            self._block(address, int(milliseconds), time.monotonic())
 
     def _block(self, address: str, milliseconds: int, now: float) -> None:
         if len(self._blocked_until) >= _MAX_REMEMBERED:

@@ -72,6 +72,11 @@ class RateLimiter(Protocol):
 
     async def stop(self) -> None: ...
 
+    def precheck(self, key: LimitedKey) -> None:
+        """RateLimitError if `key` is known to be over its requests/min or concurrency right now, without
+        consuming anything or calling Redis: a cheap refusal before the request body is read."""
+        ...
+
     async def acquire(self, key: LimitedKey, estimated_tokens: int) -> Lease:
         """A lease, or RateLimitError naming the exhausted limit (429, Retry-After, x-ratelimit-* headers)."""
         ...

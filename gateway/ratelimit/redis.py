@@ -1,7 +1,12 @@
 """RedisRateLimiter: one Lua script admits a request against all three limits of its key, atomically.
 
-Imports errors, settings and ratelimit.limiter. Limits hold across every gateway process sharing Redis;
-the clock is Redis's `TIME`, never the processes'. Redis failures are mapped here to KeyStoreUnavailableError.
+Imports errors, settings, background, redis_client and ratelimit.limiter. Limits hold across every gateway
+process sharing Redis; the clock is Redis's `TIME`, never the processes'. Every Redis call goes through
+`RedisCalls` (one deadline, one retry on a fresh connection, errors mapped to KeyStoreUnavailableError).
+
+Admission and release are idempotent per lease id (a short-lived marker key records that the script ran),
+so that retry is safe even when a reply, not the command, was lost: a request is never charged twice, and a
+release that failed is retried in the background until Redis answers, freeing the slot at once.
 
 Buckets (requests and tokens) are GCRA in integer arithmetic: one request or token costs `window_ms`
 units, a bucket holds `limit * window_ms` units and drains `limit` units per millisecond. Exact integers
@@ -13,15 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from typing import Any
 
 import redis.asyncio as redis_asyncio
-from redis.exceptions import RedisError
 
-from gateway.errors import KeyStoreUnavailableError
+from gateway.background import BackgroundTask, Backoff
+from gateway.errors import KeyStoreUnavailableError, RateLimitError
 from gateway.ratelimit.limiter import (
     EffectiveLimits,
     Lease,
@@ -30,6 +36,7 @@ from gateway.ratelimit.limiter import (
     rate_headers,
     rate_limit_error,
 )
+from gateway.redis_client import REDIS_ERRORS, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,11 @@ _REFUSED_CONCURRENCY = 1
 _REFUSED_REQUESTS = 2
 _REFUSED_TOKENS = 4
 _REFUSED_TOO_LARGE = 8
+# Refusals a request's size does not change: `precheck` repeats them without Redis until they lapse.
+_REFUSED_WITHOUT_BODY = _REFUSED_CONCURRENCY | _REFUSED_REQUESTS
+_MAX_REMEMBERED_REFUSALS = 10_000
+# A failed release is retried this often (jittered) until Redis answers: the slot frees within ~0.5 s of it.
+_RELEASE_RETRY = Backoff(initial=0.05, maximum=0.5)
 
 _BUCKET = """
 local clock = redis.call('TIME')
@@ -70,12 +82,19 @@ local function store(key, used, limit)
 end
 """
 
-# KEYS: requests bucket, tokens bucket, leases (ZSET, score = expiry ms).
-# ARGV: window ms, rpm, tpm, max concurrency, estimated tokens, lease id, lease ttl ms, concurrency retry ms.
-# Every limit is checked before anything is written, so a refused request consumes nothing.
+# KEYS: requests bucket, tokens bucket, leases (ZSET, score = expiry ms), admission marker of this lease.
+# ARGV: window ms, rpm, tpm, max concurrency, estimated tokens, lease id, lease ttl ms, concurrency retry ms,
+# marker ttl ms. Every limit is checked before anything is written, so a refused request consumes nothing.
+# An admitted lease leaves a marker holding its answer: the same lease admitted again (a retry after a lost
+# reply) gets that answer and is not charged twice.
 _ACQUIRE = (
     _BUCKET
     + """
+local done = redis.call('GET', KEYS[4])
+if done then
+  local gap = string.find(done, ' ')
+  return {0, 0, tonumber(string.sub(done, 1, gap - 1)), tonumber(string.sub(done, gap + 1))}
+end
 local rpm, tpm, conc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost, ttl = tonumber(ARGV[5]), tonumber(ARGV[7])
 local req, tok = level(KEYS[1], rpm), level(KEYS[2], tpm)
@@ -103,16 +122,19 @@ if refused == 0 then
     redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])
     redis.call('PEXPIRE', KEYS[3], 2 * ttl)
   end
+  redis.call('SET', KEYS[4], string.format('%.0f %.0f', req, tok), 'PX', ARGV[9])
 end
 return {refused, retry, req, tok}
 """
 )
 
-# KEYS: tokens bucket, leases, usage of the day (HASH), last used (ms).
-# ARGV: window ms, tpm, used - estimated tokens, lease id, used tokens, retention seconds, requests served (0|1).
+# KEYS: tokens bucket, leases, usage of the day (HASH), last used (ms), release marker of this lease.
+# ARGV: window ms, tpm, used - estimated tokens, lease id, used tokens, retention seconds, requests served (0|1),
+# marker ttl ms. Runs once per lease: a second release of it (a retry after a lost reply) changes nothing.
 _RELEASE = (
     _BUCKET
     + """
+if not redis.call('SET', KEYS[5], '1', 'NX', 'PX', ARGV[8]) then return 0 end
 local tpm, diff = tonumber(ARGV[2]), tonumber(ARGV[3])
 if tpm > 0 and diff ~= 0 then store(KEYS[1], math.max(0, level(KEYS[1], tpm) + diff * window), tpm) end
 redis.call('ZREM', KEYS[2], ARGV[4])
@@ -166,30 +188,56 @@ class RedisRateLimiter:
         self._settings = settings.limits
         self._window_ms = max(1, round(settings.limits.window * 1000))
         self._ttl_ms = max(1, round(settings.limits.lease_ttl * 1000))
-        self._deadline = settings.redis.connect_timeout + settings.redis.socket_timeout
+        self._calls = RedisCalls(settings)
+        # An admission is retried at once, within one call's deadline; a release for as long as its slot lives.
+        self._admitted_marker_ms = max(1, round(2 * self._calls.timeout * 1000))
+        self._released_marker_ms = self._ttl_ms + 2 * self._admitted_marker_ms
         self._retention_s = settings.limits.usage_retention_days * 86_400
         self._acquire = redis.register_script(_ACQUIRE)
         self._release = redis.register_script(_RELEASE)
         self._renew = redis.register_script(_RENEW)
         self._live: dict[str, Lease] = {}
         self._pending: set[asyncio.Task[Any]] = set()
-        self._renewer: asyncio.Task[None] | None = None
+        self._retrying: set[BackgroundTask] = set()  # releases that failed, retried until Redis answers
+        # Key name -> (monotonic time the refusal lapses, refused bits, message): `precheck` answers from here.
+        self._refusals: dict[str, tuple[float, int, RateLimitError]] = {}
+        self._renewer = BackgroundTask.every(
+            "ratelimit-lease-renewer",
+            settings.limits.lease_renew_interval,
+            self._renew_live,
+            expected=(KeyStoreUnavailableError,),
+            stop_timeout=self._calls.timeout + 1,
+        )
 
     async def start(self) -> None:
         """Start renewing live leases."""
-        if self._renewer is None:
-            self._renewer = asyncio.create_task(self._renew_forever(), name="ratelimit-lease-renewer")
+        self._renewer.start()
 
     async def stop(self) -> None:
-        """Stop renewing and wait for releases still in flight."""
-        renewer, self._renewer = self._renewer, None
-        if renewer is not None:
-            renewer.cancel()
-            # Bounded: a cancellation landing inside redis-py can come out as a connection error, which
-            # the renewer survives; it then sees `_renewer` is None and ends on its next turn.
-            await asyncio.wait({renewer}, timeout=self._settings.lease_renew_interval + self._deadline + 1)
+        """Stop renewing, give releases in flight one deadline, and stop retrying failed ones (bounded)."""
+        await self._renewer.stop()
         if self._pending:
-            await asyncio.wait(set(self._pending), timeout=self._deadline)
+            await asyncio.wait(set(self._pending), timeout=self._calls.timeout)
+        for retry in list(self._retrying):
+            await retry.stop()
+        self._retrying.clear()
+
+    def precheck(self, key: LimitedKey) -> None:
+        """RateLimitError if `key` was refused for requests/min or concurrency by this process and that refusal
+        has not lapsed yet; no Redis call and nothing consumed. For use before the body is read: `acquire`
+        still decides (a key this process has not refused passes, and so may the first request after a lapse).
+        A concurrency refusal lapses after its Retry-After (1 s) or when this process frees a slot of the key."""
+        refusal = self._refusals.get(key.name)
+        if refusal is None:
+            return
+        until, _, error = refusal
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._refusals[key.name]
+            return
+        retry_ms = max(1, round(left * 1000))
+        headers = {name: value for name, value in error.headers.items() if name != "retry-after-ms"}
+        raise rate_limit_error(error.message, retry_ms, headers)
 
     def effective_limits(self, key: LimitedKey) -> EffectiveLimits:
         """The key's limits with the server defaults filled in (0: unlimited)."""
@@ -218,7 +266,7 @@ class RedisRateLimiter:
             _CONCURRENCY_RETRY_MS,
         ]
         # Shielded: a request cancelled (client gone) while the script runs must not leak what it admitted.
-        admission = asyncio.create_task(self._admit(key.name, args))
+        admission = asyncio.create_task(self._admit(key.name, lease.lease_id, args))
         try:
             result = await asyncio.shield(admission)
         except asyncio.CancelledError:
@@ -226,16 +274,19 @@ class RedisRateLimiter:
             admission.add_done_callback(self._pending.discard)
             admission.add_done_callback(lambda done: self._release_orphan(done, lease))
             raise
-        except (RedisError, OSError, TimeoutError) as exc:
+        except KeyStoreUnavailableError as exc:
             if self._settings.fail_open:
-                logger.warning("Rate-limit store unavailable (%s); admitting without limits", type(exc).__name__)
+                cause = exc.__cause__ or exc
+                logger.warning("Rate-limit store unavailable (%s); admitting without limits", type(cause).__name__)
                 lease.degraded = True
                 return lease
-            raise KeyStoreUnavailableError(_UNAVAILABLE) from exc
+            raise
         refused, retry_ms, requests_used, tokens_used = result
         lease.headers = self._headers(limits, requests_used, tokens_used)
         if refused:
-            raise rate_limit_error(self._refusal(refused, limits, tokens, retry_ms), retry_ms, lease.headers)
+            error = rate_limit_error(self._refusal(refused, limits, tokens, retry_ms), retry_ms, lease.headers)
+            self._remember_refusal(key.name, refused, retry_ms, error)
+            raise error
         if limits.max_concurrency:
             self._live[lease.lease_id] = lease
         return lease
@@ -247,6 +298,9 @@ class RedisRateLimiter:
             return
         lease.released = True
         self._live.pop(lease.lease_id, None)
+        refusal = self._refusals.get(lease.key_name)
+        if refusal is not None and refusal[1] == _REFUSED_CONCURRENCY:
+            del self._refusals[lease.key_name]  # a slot of this key frees now
         if lease.degraded:
             return
         await asyncio.shield(self._spawn(self._finish(lease, used_tokens)))
@@ -254,15 +308,15 @@ class RedisRateLimiter:
     async def usage(self, names: Sequence[str], day: date | None = None) -> dict[str, Usage]:
         """Requests and tokens of each key on `day` (UTC, default today) and when each was last used."""
         day = day or datetime.now(UTC).date()
-        try:
-            async with asyncio.timeout(self._deadline * 4):
-                pipe = self._redis.pipeline(transaction=False)
-                for name in names:
-                    _ = pipe.hmget(_usage_day_key(name, day), ["requests", "tokens"])
-                    _ = pipe.get(_usage_last_key(name))
-                results: list[Any] = await pipe.execute() if names else []
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise KeyStoreUnavailableError(_UNAVAILABLE) from exc
+
+        async def read() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for name in names:
+                _ = pipe.hmget(_usage_day_key(name, day), ["requests", "tokens"])
+                _ = pipe.get(_usage_last_key(name))
+            return await pipe.execute() if names else []
+
+        results = await self._calls(read, unavailable=_UNAVAILABLE)
         usage: dict[str, Usage] = {}
         for index, name in enumerate(names):
             (requests, tokens), last = results[2 * index], results[2 * index + 1]
@@ -274,9 +328,10 @@ class RedisRateLimiter:
             )
         return usage
 
-    async def _admit(self, name: str, args: list[int | str]) -> tuple[int, int, int, int]:
-        async with asyncio.timeout(self._deadline):
-            result = await self._acquire(keys=_bucket_keys(name), args=args)
+    async def _admit(self, name: str, lease_id: str, args: list[int | str]) -> tuple[int, int, int, int]:
+        keys = [*_bucket_keys(name), _marker_key(name, "admitted", lease_id)]
+        full_args = [*args, self._admitted_marker_ms]
+        result = await self._calls(lambda: self._acquire(keys=keys, args=full_args), unavailable=_UNAVAILABLE)
         refused, retry_ms, requests_used, tokens_used = (int(value) for value in result)
         return refused, retry_ms, requests_used, tokens_used
 
@@ -290,6 +345,16 @@ class RedisRateLimiter:
         self._pending.add(task)  # a reference until done; stop() waits for these
         task.add_done_callback(self._pending.discard)
         return task
+
+    def _remember_refusal(self, name: str, refused: int, retry_ms: int, error: RateLimitError) -> None:
+        if refused & ~_REFUSED_WITHOUT_BODY:
+            return  # a token refusal depends on the request's size: a smaller one may pass
+        now = time.monotonic()
+        if len(self._refusals) >= _MAX_REMEMBERED_REFUSALS:
+            self._refusals = {name: refusal for name, refusal in self._refusals.items() if refusal[0] > now}
+            if len(self._refusals) >= _MAX_REMEMBERED_REFUSALS:
+                return
+        self._refusals[name] = (now + retry_ms / 1000, refused, error)
 
     def _headers(self, limits: EffectiveLimits, requests_used: int, tokens_used: int) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -322,6 +387,7 @@ class RedisRateLimiter:
             *_bucket_keys(lease.key_name)[1:],
             _usage_day_key(lease.key_name, today),
             _usage_last_key(lease.key_name),
+            _marker_key(lease.key_name, "released", lease.lease_id),
         ]
         args: list[int | str] = [
             self._window_ms,
@@ -331,22 +397,40 @@ class RedisRateLimiter:
             used,
             self._retention_s,
             1 if served else 0,
+            self._released_marker_ms,
         ]
         try:
-            async with asyncio.timeout(self._deadline):
-                await self._release(keys=keys, args=args)
-        except (RedisError, OSError, TimeoutError) as exc:
+            await self._calls(lambda: self._release(keys=keys, args=args), unavailable=_UNAVAILABLE)
+            return
+        except KeyStoreUnavailableError as exc:
             logger.warning(
-                "Could not release a lease of key %s (%s); its slot expires within %.0f s",
+                "Could not release a lease of key %s (%s); retrying until Redis answers",
                 lease.key_name,
-                type(exc).__name__,
-                self._settings.lease_ttl,
+                type(exc.__cause__ or exc).__name__,
             )
+        self._retry_release(lease.key_name, keys, args)
 
-    async def _renew_forever(self) -> None:
-        while self._renewer is not None:
-            await asyncio.sleep(self._settings.lease_renew_interval)
-            await self._renew_live()
+    def _retry_release(self, name: str, keys: list[str], args: list[int | str]) -> None:
+        # Past the lease's TTL its slot has expired in Redis anyway; the marker makes a late success harmless.
+        give_up = time.monotonic() + self._settings.lease_ttl
+
+        async def once() -> None:
+            if time.monotonic() > give_up:
+                logger.warning("Gave up releasing a lease of key %s; its slot has expired", name)
+                return
+            await self._calls(lambda: self._release(keys=keys, args=args), unavailable=_UNAVAILABLE)
+            logger.info("Released a lease of key %s after Redis came back", name)
+
+        self._retrying = {retry for retry in self._retrying if retry.running}
+        retry = BackgroundTask(
+            f"ratelimit-release:{name}",
+            once,
+            expected=REDIS_ERRORS,
+            backoff=_RELEASE_RETRY,
+            stop_timeout=self._calls.timeout + 1,
+        )
+        retry.start()
+        self._retrying.add(retry)
 
     async def _renew_live(self) -> None:
         by_key: dict[str, list[str]] = {}
@@ -354,14 +438,19 @@ class RedisRateLimiter:
             by_key.setdefault(lease.key_name, []).append(lease.lease_id)
         if not by_key:
             return
+
+        async def renew() -> list[list[bytes]]:
+            pipe = self._redis.pipeline(transaction=False)
+            for name, ids in by_key.items():
+                await self._renew(keys=[_bucket_keys(name)[2]], args=[self._ttl_ms, *ids], client=pipe)
+            results: list[list[bytes]] = await pipe.execute()
+            return results
+
         try:
-            async with asyncio.timeout(self._deadline):
-                pipe = self._redis.pipeline(transaction=False)
-                for name, ids in by_key.items():
-                    await self._renew(keys=[_bucket_keys(name)[2]], args=[self._ttl_ms, *ids], client=pipe)
-                results: list[list[bytes]] = await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:
-            logger.warning("Could not renew %d concurrency slots (%s)", len(self._live), type(exc).__name__)
+            results = await self._calls(renew, unavailable=_UNAVAILABLE)
+        except KeyStoreUnavailableError as exc:
+            cause = exc.__cause__ or exc
+            logger.warning("Could not renew %d concurrency slots (%s)", len(self._live), type(cause).__name__)
             return
         for lost in results:
             for lease_id in lost:
@@ -379,6 +468,10 @@ def _resolve(own: int | None, default: int | None) -> int:
 def _bucket_keys(name: str) -> list[str]:
     # `{name}` is a hash tag: a key's buckets, leases and usage share one Redis Cluster slot.
     return [f"{_PREFIX}{{{name}}}:req", f"{_PREFIX}{{{name}}}:tok", f"{_PREFIX}{{{name}}}:lease"]
+
+
+def _marker_key(name: str, kind: str, lease_id: str) -> str:
+    return f"{_PREFIX}{{{name}}}:{kind}:{lease_id}"
 
 
 def _usage_day_key(name: str, day: date) -> str:

@@ -16,8 +16,8 @@ from gateway.auth import KeyExistsError, KeyLimits, KeyNotFoundError, KeyRevoked
 from gateway.auth.keys import INVALID_KEY_MESSAGE
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError, PermissionDeniedError
 from gateway.ratelimit import RedisRateLimiter
+from gateway.redis_client import connect_redis
 from gateway.settings import AuthSettings, Settings
-from gateway.store import connect_redis
 from tests.procs import ServerProcess, async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(15)

@@ -15,8 +15,8 @@ from pydantic import SecretStr
 from gateway.auth import ApiKey, KeyLimits
 from gateway.errors import KeyStoreUnavailableError, RateLimitError
 from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter
+from gateway.redis_client import connect_redis
 from gateway.settings import AuthSettings, RateLimitSettings, Settings
-from gateway.store import connect_redis
 from tests.procs import async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(15)

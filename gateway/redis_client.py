@@ -1,0 +1,159 @@
+"""The one home of redis-py in the gateway: the pooled client, the error boundary, the pub/sub listener.
+
+Imports settings, errors and background only. Every Redis call of the services goes through `RedisCalls`,
+which bounds it by one deadline (`redis.command_timeout`), retries it once on a fresh connection after a
+connection error, and maps what redis-py raises to KeyStoreUnavailableError (503, fail closed).
+
+Why our own retry and not redis-py's `Retry`: redis-py retries a command after any connection error or
+timeout, including one raised while reading the reply, when the command may already have run; an admission
+script run twice would charge a key twice. So redis-py's command retry stays off (`retries=0`), and only
+calls whose scripts are idempotent (read-only, or keyed by a lease id, see `ratelimit/redis.py`) are retried
+here. A pooled connection that died with a Redis restart is caught before anything is sent: the pool checks
+each connection it hands out for a pending EOF and reconnects it (redis-py 8 skips that check while its
+"maintenance notifications" are on, a Redis Enterprise feature we do not use, so they are turned off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
+
+import redis.asyncio as redis_asyncio
+from redis.driver_info import DriverInfo
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
+
+from gateway.background import BackgroundTask, Backoff
+from gateway.errors import KeyStoreUnavailableError
+from gateway.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a Redis call can raise when Redis is down, slow or gone: redis-py's errors, socket errors, our deadline.
+REDIS_ERRORS: Final = (RedisError, OSError, TimeoutError)
+UNAVAILABLE: Final = "The API key store is unavailable; retry shortly."
+
+
+def connect_redis(settings: Settings) -> redis_asyncio.Redis:
+    """A pooled asyncio Redis client; dead pooled connections are reconnected before use (module docstring)."""
+    return redis_asyncio.Redis.from_url(
+        settings.redis_url.get_secret_value(),
+        socket_connect_timeout=settings.redis.connect_timeout,
+        socket_timeout=settings.redis.socket_timeout,
+        max_connections=settings.redis.max_connections,
+        health_check_interval=30,
+        decode_responses=False,
+        maint_notifications_config=MaintNotificationsConfig(enabled=False),
+        # Resolved once here: left to redis-py, every new pooled connection looks its version up in the
+        # package metadata (~3 ms of blocking work each, enough to stall a cold burst).
+        driver_info=DriverInfo(),
+    )
+
+
+class RedisCalls:
+    """The error boundary around every Redis call: one deadline, one retry, one mapping."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.timeout = settings.redis.command_timeout
+
+    async def __call__(self, work: Callable[[], Awaitable[T]], *, unavailable: str = UNAVAILABLE) -> T:
+        """`await work()` within `redis.command_timeout`; on a connection error, once more (on another pooled
+        connection, reconnected if dead). `work` must be safe to run twice. KeyStoreUnavailableError otherwise."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                try:
+                    return await work()
+                except RedisConnectionError as exc:
+                    logger.debug("Redis connection error (%s); retrying once on a fresh connection", exc)
+                    return await work()
+        except REDIS_ERRORS as exc:
+            raise KeyStoreUnavailableError(unavailable) from exc
+
+
+class PubSubListener:
+    """Receives one pub/sub channel in a BackgroundTask, subscribing again after a loss (backoff + jitter).
+
+    `on_message` gets each message's data. `on_gap` is called whenever messages may have been missed: when
+    the subscription starts, when it is lost, and when redis-py reconnects it underneath us.
+    """
+
+    def __init__(
+        self,
+        redis: redis_asyncio.Redis,
+        channel: str,
+        on_message: Callable[[bytes], None],
+        *,
+        on_gap: Callable[[], None] | None = None,
+        stop_timeout: float = 5.0,
+    ) -> None:
+        self._redis = redis
+        self._channel = channel
+        self._on_message = on_message
+        self._on_gap = on_gap
+        self._subscribed = asyncio.Event()
+        self._task = BackgroundTask(
+            f"pubsub:{channel}",
+            self._listen,
+            expected=REDIS_ERRORS,
+            backoff=Backoff(initial=0.1, maximum=5.0),
+            stop_timeout=stop_timeout,
+        )
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether messages are being received right now."""
+        return self._subscribed.is_set()
+
+    def start(self) -> None:
+        """Start listening (returns at once; see `wait_subscribed`)."""
+        self._task.start()
+
+    async def wait_subscribed(self, within: float) -> bool:
+        """Wait up to `within` seconds for the subscription; whether it is in place."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await self._subscribed.wait()
+        return self.subscribed
+
+    async def stop(self) -> bool:
+        """Stop listening, waiting a bounded time (BackgroundTask.stop)."""
+        return await self._task.stop()
+
+    async def _listen(self) -> None:
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        connection: Any = None
+        try:
+            await pubsub.subscribe(self._channel)
+            connection = pubsub.connection
+            if connection is not None:
+                # redis-py resubscribes by itself after a reconnect; what was published meanwhile is lost.
+                connection.register_connect_callback(self._on_reconnect)
+            self._gap()
+            self._subscribed.set()
+            logger.debug("Subscribed to %s", self._channel)
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if message is not None and message.get("type") == "message":
+                    self._on_message(bytes(message["data"]))
+        finally:
+            was_subscribed = self.subscribed
+            self._subscribed.clear()
+            if was_subscribed:
+                self._gap()
+            if connection is not None:
+                connection.deregister_connect_callback(self._on_reconnect)
+            with contextlib.suppress(*REDIS_ERRORS):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+
+    def _on_reconnect(self, connection: Any) -> None:
+        self._gap()
+
+    def _gap(self) -> None:
+        if self._on_gap is not None:
+            self._on_gap()
