@@ -15,9 +15,7 @@ from gateway.auth import KeyStore
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import FailedAuthGuard, RedisRateLimiter
 from gateway.redis_client import connect_redis
-from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
-from gateway.relay.exchange import EngineRelay
 from gateway.relay.monitor import EngineMonitor
 from gateway.settings import Settings
 
@@ -32,7 +30,6 @@ class Services:
     metrics: GatewayMetrics
     engine: EngineClient
     monitor: EngineMonitor
-    relay: EngineRelay
     redis: redis_asyncio.Redis
     keys: KeyStore
     limiter: RedisRateLimiter
@@ -42,15 +39,12 @@ class Services:
     def build(cls, settings: Settings, metrics: GatewayMetrics) -> Services:
         """Construct (nothing is connected until `start`)."""
         engine = EngineClient(settings)
-        activity = EngineActivity()
-        monitor = EngineMonitor(engine, settings, metrics, activity)
         redis = connect_redis(settings)
         return cls(
             settings=settings,
             metrics=metrics,
             engine=engine,
-            monitor=monitor,
-            relay=EngineRelay(engine, monitor, activity, settings, metrics),
+            monitor=EngineMonitor(engine, settings, metrics),
             redis=redis,
             keys=KeyStore(redis, settings),
             limiter=RedisRateLimiter(redis, settings),
