@@ -1,0 +1,219 @@
+"""Engine faults under live traffic: the engine's process group SIGKILLed with streams open (under the real
+supervisor, `nemotron-gateway up`), and the engine's API server frozen with SIGSTOP.
+
+A frozen engine core on the real CPU vLLM is tested in the engine tier (tests/engine/), not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.supervisor.process import group_members, remove_files, shared_memory_of
+from tests.e2e.test_supervisor import engine_env, status
+from tests.faults.conftest import (
+    GATEWAY_ENV,
+    MODEL,
+    Figures,
+    StreamOutcome,
+    assert_ended_with_one_error,
+    chat_body,
+    create_key,
+    gateway_on,
+    in_flight,
+    lease_count,
+    read_stream,
+)
+from tests.procs import FakeEngineControl, ServerProcess, async_wait_until, free_port, run_fake_engine
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
+
+STREAMS = 8
+# How long a stopped engine may hold clients before the gateway ends their streams and refuses new requests
+# (the relay's stall detection plus a probe; seconds, not the 120 s chunk timeout).
+STALL_BOUND = 30.0
+# A refused answer while the engine is down: no waiting on a dead engine.
+FAST_503 = 2.0
+
+
+@dataclass
+class UpStack:
+    proc: ServerProcess
+    url: str
+    state_dir: Path
+    key_name: str
+    headers: dict[str, str]
+    redis_url: str
+
+
+@pytest.fixture
+def up_stack(tmp_path: Path, redis_url: str) -> Iterator[UpStack]:
+    """`nemotron-gateway up` with keys on; its engine is the fake one, with an EngineCore-like helper child."""
+    state_dir = tmp_path / "state"
+    engine_port, gateway_port = free_port(), free_port()
+    key_name = f"fault-up-{uuid.uuid4().hex[:8]}"
+    secret = create_key(redis_url, key_name)
+    env = engine_env(
+        state_dir,
+        engine_port,
+        NEMOTRON_PORT=str(gateway_port),
+        NEMOTRON_REDIS_URL=redis_url,
+        NEMOTRON_ENGINE__EXTRA_ARGS='["--spawn-child"]',
+        # Long enough that the engine is still down when the first request after the kill arrives.
+        NEMOTRON_ENGINE__BACKOFF_INITIAL="0.5",
+        **GATEWAY_ENV,
+    )
+    proc = ServerProcess(
+        [sys.executable, "-m", "gateway", "up"],
+        env=env,
+        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
+        start_timeout=30,
+        stop_timeout=15,
+        port=gateway_port,
+    )
+    with proc.start():
+        headers = {"Authorization": f"Bearer {secret}"}
+        yield UpStack(proc, f"http://127.0.0.1:{gateway_port}", state_dir, key_name, headers, redis_url)
+
+
+async def start_streams(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], count: int
+) -> list[asyncio.Task[StreamOutcome]]:
+    """`count` long streams, returned once each has delivered a token."""
+    started = [asyncio.Event() for _ in range(count)]
+    tasks = [asyncio.create_task(read_stream(client, url, headers, chat_body(), event)) for event in started]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+    assert not any(task.done() for task in tasks), [task.result() for task in tasks if task.done()]
+    return tasks
+
+
+async def poll_until_served(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], within: float
+) -> tuple[float, list[httpx.Response]]:
+    """Send small requests back to back until one is answered 200: (when, the refusals before it)."""
+    refusals: list[httpx.Response] = []
+    deadline = time.monotonic() + within
+    body = chat_body(stream=False, max_tokens=1, token_delay=0)
+    while time.monotonic() < deadline:
+        sent = time.monotonic()
+        response = await client.post(url, json=body, headers=headers)
+        if response.status_code == 200:
+            return time.monotonic(), refusals
+        response.extensions["fault_elapsed"] = time.monotonic() - sent
+        refusals.append(response)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not served again within {within} s; last answers: {[r.status_code for r in refusals[-5:]]}")
+
+
+def assert_fast_503s(refusals: list[httpx.Response]) -> None:
+    for response in refusals:
+        assert response.status_code == 503, response.text
+        assert response.headers.get("retry-after", "").isdigit(), response.headers
+        assert response.json()["error"]["type"] == "service_unavailable"
+        assert response.extensions["fault_elapsed"] < FAST_503, f"a 503 took {response.extensions['fault_elapsed']} s"
+
+
+def engine_server_pid(group: int) -> int:
+    """The fake `vllm serve` process in the engine's group (not the guard, not its helper child)."""
+    for pid in group_members(group):
+        with contextlib.suppress(OSError):
+            # The guard's own argv names the engine's too, after `--`.
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"tests.fakes.fake_engine"]:
+                return pid
+    raise AssertionError(f"no engine server among {group_members(group)}")
+
+
+@pytest.mark.parametrize("target", ["group", "server"])
+async def test_engine_sigkill_with_streams_open(up_stack: UpStack, figures: Figures, target: str) -> None:
+    """`group`: every process of the engine at once (the guard too); `server`: vllm serve alone (an OOM kill)."""
+    url = f"{up_stack.url}/v1/chat/completions"
+    group = os.getpgid(int(str(status(up_stack.state_dir)["engine_pid"])))
+    held = shared_memory_of(group_members(group))
+    assert held, "the fake engine's helper holds a /dev/shm file, as vLLM's EngineCore does"
+    baseline = in_flight(up_stack.url)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
+            streams = await start_streams(client, url, up_stack.headers, STREAMS)
+            killed_at = time.monotonic()
+            if target == "group":
+                os.killpg(group, signal.SIGKILL)
+            else:
+                os.kill(engine_server_pid(group), signal.SIGKILL)
+            outcomes = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            recovered_at, refusals = await poll_until_served(client, url, up_stack.headers, within=30)
+        for index, outcome in enumerate(outcomes):
+            assert_ended_with_one_error(outcome, f"stream {index}")
+        assert refusals, "the first request after the kill found the engine up already"
+        assert_fast_503s(refusals)
+        prefix = f"engine_sigkill_{target}"
+        figures(f"{prefix}.streams_ended_after_kill_s", max(o.ended_at for o in outcomes) - killed_at, "s")
+        figures(f"{prefix}.recovery_s", recovered_at - killed_at, "s", "kill to first 200, restart backoff 0.5 s")
+        figures(f"{prefix}.503s_while_down", len(refusals), "requests", "sent back to back, 50 ms apart")
+        await async_wait_until(lambda: not group_members(group), within=10, message="the killed group left processes")
+        await async_wait_until(
+            lambda: not [path for path in held if Path(path).exists()],
+            within=10,
+            message=f"/dev/shm files of the killed engine survived: {sorted(held)}",
+        )
+        await async_wait_until(
+            lambda: lease_count(up_stack.redis_url, up_stack.key_name) == 0, within=5, message="a slot leaked"
+        )
+        await async_wait_until(lambda: in_flight(up_stack.url) <= baseline, within=5, message="in-flight leaked")
+        # The gateway may be served before the supervisor's own probe has seen the new engine ready.
+        await async_wait_until(lambda: status(up_stack.state_dir).get("state") == "ready", within=10)
+        assert status(up_stack.state_dir)["restarts"] == 1
+    finally:
+        remove_files(held)  # a failed run leaves nothing behind either
+
+
+async def test_engine_api_server_sigstop_then_sigcont(redis_url: str, figures: Figures) -> None:
+    with run_fake_engine(model=MODEL) as engine_proc:
+        engine = FakeEngineControl(engine_proc)
+        with gateway_on(engine, redis_url) as gateway:
+            url = f"{gateway.url}/v1/chat/completions"
+            baseline = in_flight(gateway.url)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(STALL_BOUND + 10, connect=5.0)) as client:
+                streams = await start_streams(client, url, gateway.headers, 4)
+                stopped_at = time.monotonic()
+                engine_proc.send_signal(signal.SIGSTOP)
+                try:
+                    outcomes = await asyncio.wait_for(asyncio.gather(*streams), STALL_BOUND + 5)
+                    refused_at = await first_refusal(client, url, gateway.headers, stopped_at + STALL_BOUND)
+                finally:
+                    engine_proc.send_signal(signal.SIGCONT)
+                continued_at = time.monotonic()
+                recovered_at, refusals = await poll_until_served(client, url, gateway.headers, within=30)
+            for index, outcome in enumerate(outcomes):
+                assert_ended_with_one_error(outcome, f"stream {index}")
+                assert outcome.ended_at - stopped_at <= STALL_BOUND, f"stream {index} held past the stall bound"
+            assert_fast_503s(refusals)
+            figures("engine_sigstop.streams_ended_after_stop_s", max(o.ended_at for o in outcomes) - stopped_at, "s")
+            figures("engine_sigstop.first_503_after_stop_s", refused_at - stopped_at, "s")
+            figures("engine_sigstop.recovery_after_sigcont_s", recovered_at - continued_at, "s", "SIGCONT to first 200")
+            await async_wait_until(lambda: gateway.leases() == 0, within=5, message="a slot leaked")
+            await async_wait_until(lambda: in_flight(gateway.url) <= baseline, within=5, message="in-flight leaked")
+
+
+async def first_refusal(client: httpx.AsyncClient, url: str, headers: dict[str, str], deadline: float) -> float:
+    """When a new request to the frozen engine was first answered (it must be a 503) before `deadline`."""
+    body = chat_body(stream=False, max_tokens=1, token_delay=0)
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            response = await client.post(url, json=body, headers=headers, timeout=min(left, 5.0))
+        except httpx.TimeoutException:
+            continue  # still held by the frozen engine: ask again until the deadline
+        assert response.status_code == 503, response.text
+        assert response.headers.get("retry-after", "").isdigit()
+        return time.monotonic()
+    raise AssertionError("requests to a frozen engine were neither answered nor refused within the stall bound")
