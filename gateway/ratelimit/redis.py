@@ -310,11 +310,11 @@ class RedisRateLimiter:
         day = day or datetime.now(UTC).date()
 
         async def read() -> list[Any]:
-            pipe = self._redis.pipeline(transaction=False)
-            for name in names:
-                _ = pipe.hmget(_usage_day_key(name, day), ["requests", "tokens"])
-                _ = pipe.get(_usage_last_key(name))
-            return await pipe.execute() if names else []
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for name in names:
+                    _ = pipe.hmget(_usage_day_key(name, day), ["requests", "tokens"])
+                    _ = pipe.get(_usage_last_key(name))
+                return await pipe.execute() if names else []
 
         results = await self._calls(read, unavailable=_UNAVAILABLE)
         usage: dict[str, Usage] = {}
@@ -440,11 +440,11 @@ class RedisRateLimiter:
             return
 
         async def renew() -> list[list[bytes]]:
-            pipe = self._redis.pipeline(transaction=False)
-            for name, ids in by_key.items():
-                await self._renew(keys=[_bucket_keys(name)[2]], args=[self._ttl_ms, *ids], client=pipe)
-            results: list[list[bytes]] = await pipe.execute()
-            return results
+            async with self._redis.pipeline(transaction=False) as pipe:  # reset even when cancelled
+                for name, ids in by_key.items():
+                    await self._renew(keys=[_bucket_keys(name)[2]], args=[self._ttl_ms, *ids], client=pipe)
+                results: list[list[bytes]] = await pipe.execute()
+                return results
 
         try:
             results = await self._calls(renew, unavailable=_UNAVAILABLE)
