@@ -55,6 +55,11 @@ class FailedAuthGuard:
         self._last_warning = 0.0
         self._listener = PubSubListener(redis, _BLOCKS_CHANNEL, self._on_block, stop_timeout=self._calls.timeout + 1)
 
+    @property
+    def subscribed(self) -> bool:
+        """Whether blocks decided by other processes are being received."""
+        return self._listener.subscribed
+
     async def start(self) -> None:
         """Listen for blocks decided by any gateway process."""
         self._listener.start()
