@@ -1,31 +1,56 @@
-"""Pure-ASGI middleware: request id, in-flight gauge, per-request metrics and the access-log line.
+"""Pure-ASGI middleware: request id, in-flight gauge, body read deadlines, per-request metrics, the access-log
+line, and the forwarded client address.
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed bodies pass through unbuffered and a client
-disconnect reaches the route. Never logs a key or the Authorization header.
+disconnect reaches the route. Never logs a key or the Authorization header; everything logged that a
+client chose is escaped first. Imports settings, errors, metrics, requestlog and types.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import ipaddress
 import logging
 import os
 import re
 import time
 from typing import Any
 
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+from gateway.errors import RequestTimeoutError
 from gateway.metrics import GatewayMetrics
-from gateway.relay.sse import Message, Receive, Send
 from gateway.requestlog import RequestRecord
+from gateway.settings import HttpSettings
+from gateway.types import ASGIApp, Message, Receive, Scope, Send
 
 access_logger = logging.getLogger("gateway.access")
 
 # A client's id is echoed into headers and logs: only accept something short and printable.
 _VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
-# Routes with their own label; everything else is "other" (unknown paths must not grow label sets).
-_ROUTES = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"))
 CLIENT_CLOSED_REQUEST = 499
+# Where ForwardedClientMiddleware keeps the socket's peer while uvicorn's proxy middleware runs.
+_PEER = "gateway.peer"
 
 
-def _request_id(scope: Message) -> str:
+def loggable(text: str) -> str:
+    """`text` safe for one log line: control and other non-printable characters, quotes and backslashes
+    escaped, so a client cannot forge or colour log lines (CR/LF, ANSI escapes in a path)."""
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return text
+    return "".join(_escape(ch) for ch in text)
+
+
+def _escape(ch: str) -> str:
+    if ch == '"' or ch == "\\":
+        return "\\" + ch
+    if ch.isprintable():
+        return ch
+    return ch.encode("unicode_escape").decode("ascii")
+
+
+def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             if _VALID_REQUEST_ID.fullmatch(value):
@@ -34,17 +59,60 @@ def _request_id(scope: Message) -> str:
     return os.urandom(16).hex()
 
 
+def _bounded_body(receive: Receive, http: HttpSettings) -> Receive:
+    """`receive` with deadlines while the request body arrives: `body_chunk_timeout` between two chunks and
+    `body_timeout` for all of it; afterwards (watching for a disconnect) it is `receive` itself.
+
+    A late body raises RequestTimeoutError (408, `Connection: close`) inside the reading route, so the client
+    gets an envelope and the access log says 408.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + http.body_timeout
+    done = False
+
+    async def receive_body() -> Message:
+        nonlocal done
+        if done:
+            return await receive()
+        try:
+            async with asyncio.timeout(min(http.body_chunk_timeout, deadline - loop.time())):
+                message = await receive()
+        except TimeoutError:
+            done = True
+            raise RequestTimeoutError(
+                f"The request body arrived too slowly (limits: {http.body_chunk_timeout:g} s between chunks, "
+                f"{http.body_timeout:g} s in all); send it at once.",
+                headers={"Connection": "close"},
+            ) from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            done = True
+        return message
+
+    return receive_body
+
+
 class RequestContextMiddleware:
     """Gives every request an id and a RequestRecord; records metrics and one access line at its end."""
 
-    def __init__(self, app: Any, metrics: GatewayMetrics, *, access_log: bool = True) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: GatewayMetrics,
+        *,
+        routes: frozenset[str],
+        http: HttpSettings,
+        access_log: bool = True,
+    ) -> None:
         self.app = app
         self.metrics = metrics
+        # Served paths get their own label; everything else is "other" (unknown paths must not grow label sets).
+        self.routes = routes
+        self.http = http
         self.access_log = access_log
         # Labelled children looked up once: `.labels()` on every request showed in the profile.
         self._by_route: dict[tuple[str, int], tuple[Any, Any]] = {}
 
-    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -63,16 +131,16 @@ class RequestContextMiddleware:
 
         self.metrics.in_flight.inc()
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, _bounded_body(receive, self.http), send_with_id)
         finally:
             self.metrics.in_flight.dec()
             if record.client_disconnected:
                 status = CLIENT_CLOSED_REQUEST
             self._finish(scope, record, status, time.perf_counter() - started)
 
-    def _finish(self, scope: Message, record: RequestRecord, status: int, duration: float) -> None:
+    def _finish(self, scope: Scope, record: RequestRecord, status: int, duration: float) -> None:
         path = scope["path"]
-        route = path if path in _ROUTES else "other"
+        route = path if path in self.routes else "other"
         metrics = self.metrics
         children = self._by_route.get((route, status))
         if children is None:
@@ -90,17 +158,50 @@ class RequestContextMiddleware:
             client = scope.get("client")
             access_logger.info(
                 '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s%s',
-                client[0] if client else "-",
-                scope["method"],
-                path,
+                loggable(client[0]) if client else "-",
+                loggable(scope["method"]),
+                loggable(path),
                 status,
                 duration * 1000,
                 record.request_id,
-                record.key_name or "-",
-                record.model or "-",
+                loggable(record.key_name) if record.key_name else "-",
+                loggable(record.model) if record.model else "-",
                 "yes" if record.stream else "no",
                 "-" if record.prompt_tokens is None else record.prompt_tokens,
                 "-" if record.completion_tokens is None else record.completion_tokens,
                 "-" if ttft is None else f"{ttft * 1000:.1f}ms",
                 f" engine_error={record.engine_error}" if record.engine_error else "",
             )
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class ForwardedClientMiddleware:
+    """The client address from `X-Forwarded-For` when the peer is a trusted proxy, as uvicorn's proxy-headers
+    middleware reads it, but only when it is an IPv4 or IPv6 address: anything else (`evil`, a forged log
+    line) keeps the peer's address, so the failed-auth guard and the access log key on real addresses."""
+
+    def __init__(self, app: ASGIApp, trusted_hosts: str) -> None:
+        self.app = app
+        self._proxy = ProxyHeadersMiddleware(self._checked, trusted_hosts)  # type: ignore[arg-type]  # uvicorn's TypedDict ASGI types
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope[_PEER] = scope.get("client")
+        await self._proxy(scope, receive, send)  # type: ignore[arg-type]  # uvicorn's TypedDict ASGI types
+
+    async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
+        peer = scope.pop(_PEER, None)
+        client = scope.get("client")
+        if client is not peer and client is not None and not _is_address(client[0]):
+            scope["client"] = peer
+        await self.app(scope, receive, send)

@@ -74,6 +74,8 @@ def _check_stop(value: Any) -> Any:
 
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+# Token ids index a vocabulary; no tokenizer has 2**31 entries, and the engine stores them as 32-bit ints.
+_TOKEN_ID_BOUND = 2**31
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -83,7 +85,11 @@ class _SamplingFields(_Strict):
     model: StrictStr
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # Every token count is a strict, bounded integer: a negative or mistyped one would drive the up-front
+    # token charge to zero or fail the budget arithmetic (issue 12).
     max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    min_tokens: StrictInt | None = Field(None, ge=0)
     n: StrictInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: Probability | None = None
@@ -100,7 +106,6 @@ class ChatCompletionRequest(_SamplingFields):
     """Body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -113,6 +118,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Any
     echo: bool | None = None
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    best_of: StrictInt | None = Field(None, ge=1)
     suffix: StrictStr | None = None
 
     @field_validator("prompt", mode="before")
@@ -123,11 +129,16 @@ class CompletionRequest(_SamplingFields):
         if isinstance(value, list) and value:
             if all(isinstance(item, str) and item for item in value):
                 return value
-            if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+            if _token_ids(value):
                 return value
-            if all(isinstance(item, list) and item and all(type(t) is int for t in item) for item in value):
+            if all(isinstance(item, list) and _token_ids(item) for item in value):
                 return value
         raise ValueError(
-            "prompt must be a non-empty string, a list of non-empty strings, a list of token ids, "
-            "or a list of lists of token ids"
+            "prompt must be a non-empty string, a list of non-empty strings, a list of token ids (whole numbers "
+            "from 0), or a list of lists of token ids"
         )
+
+
+def _token_ids(items: list[Any]) -> bool:
+    # `type(...) is int` rather than isinstance: True and False are ints to Python, not token ids.
+    return bool(items) and all(type(item) is int and 0 <= item < _TOKEN_ID_BOUND for item in items)

@@ -1,11 +1,14 @@
 """Turns a client's request body into the body sent to the engine, or a clear 400.
 
 Checks the Nemotron pitfalls (see DESIGN.md) and applies policy: model aliases, the default system
-message, usage always requested in streams. Imports settings, errors and schemas only.
+message, usage always requested in streams. Cheap checks (the message count) come before costly ones,
+and a large body is prepared in a worker thread. Imports settings, errors, schemas and the relay's
+ModelInfo only.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,11 +53,28 @@ class PreparedRequest:
     client_wants_usage: bool
     prompt_tokens_estimate: int
     max_tokens: int | None
+    choices: int = 1
 
     @property
     def tokens_estimate(self) -> int:
-        """Prompt estimate plus the completion budget: what a token limit charges up front."""
-        return self.prompt_tokens_estimate + (self.max_tokens or _DEFAULT_MAX_TOKENS_ESTIMATE)
+        """Prompt estimate plus the completion budget of every choice the engine generates (`n`, `best_of`,
+        each prompt of a batch): what a token limit charges up front."""
+        return self.prompt_tokens_estimate + (self.max_tokens or _DEFAULT_MAX_TOKENS_ESTIMATE) * self.choices
+
+
+Prepare = Callable[[bytes, Settings, ModelInfo], PreparedRequest]
+
+
+async def prepare_off_loop(prepare: Prepare, body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    """`prepare(body, settings, info)`, in a worker thread when the body is over `settings.offload_body_bytes`.
+
+    Parsing and validating a 2 MB body takes tens of milliseconds; on the event loop that stalls every
+    other request (and /health) for as long. In a thread it yields the loop at the interpreter's switch
+    interval (issue 12). Small bodies stay inline: a thread hop costs more than they do.
+    """
+    if len(body) <= settings.offload_body_bytes:
+        return prepare(body, settings, info)
+    return await asyncio.to_thread(prepare, body, settings, info)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -139,11 +159,46 @@ def _resolve_model(requested: str, settings: Settings, info: ModelInfo) -> str:
     raise NotFoundError(f"The model {requested!r} does not exist here; use one of: {names}.", param="model")
 
 
-def _check_budget(data: dict[str, Any], settings: Settings, info: ModelInfo) -> int | None:
-    n = data.get("n")
-    if n is not None and n > settings.max_n:
-        raise InvalidRequestError(f"'n' is {n}; this gateway allows at most {settings.max_n}.", param="n")
-    field = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """What differs between the chat and the text completion route."""
+
+    schema: type[BaseModel]
+    # The fields the engine takes its completion budget from, the one it prefers first.
+    budget_fields: tuple[str, ...]
+    # How many messages (or prompts of a batch) a parsed body carries, counted before validation.
+    items: Callable[[dict[str, Any]], int]
+    items_field: str
+    # How many prompts the engine completes (a batch completes each).
+    prompts: Callable[[dict[str, Any]], int]
+
+
+def _check_size(data: dict[str, Any], route: _Route, settings: Settings) -> None:
+    # Before validation: checking 60,000 tiny messages one by one is what costs (issue 12).
+    count = route.items(data)
+    if count > settings.max_messages:
+        raise InvalidRequestError(
+            f"'{route.items_field}' has {count} entries; this gateway accepts at most {settings.max_messages}.",
+            param=route.items_field,
+        )
+
+
+def _check_choices(data: dict[str, Any], settings: Settings) -> int:
+    """How many sequences the engine generates per prompt: `n`, or `best_of` when larger."""
+    n: int = data.get("n") or 1
+    best_of: int = data.get("best_of") or 1
+    for field, value in (("n", n), ("best_of", best_of)):
+        if value > settings.max_n:
+            raise InvalidRequestError(
+                f"'{field}' is {value}; this gateway allows at most {settings.max_n}.", param=field
+            )
+    if data.get("best_of") is not None and best_of < n:
+        raise InvalidRequestError(f"'best_of' is {best_of}; it must be at least 'n' ({n}).", param="best_of")
+    return max(n, best_of)
+
+
+def _check_budget(data: dict[str, Any], route: _Route, info: ModelInfo) -> int | None:
+    field = next((f for f in route.budget_fields if data.get(f) is not None), route.budget_fields[-1])
     max_tokens: int | None = data.get(field)
     if max_tokens is not None and info.context_length is not None and max_tokens > info.context_length:
         raise InvalidRequestError(
@@ -177,30 +232,69 @@ def _text_length(content: Any) -> int:
     return 0
 
 
+def _serialise(data: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        # The parser accepts nesting up to 1024 levels, the serialiser only ~254 (issue 12).
+        raise InvalidRequestError(
+            "The request is nested too deeply (arrays or objects more than 250 levels inside each other); flatten it."
+        ) from None
+
+
 def _prepare(
     body: bytes,
-    schema: type[BaseModel],
+    route: _Route,
     settings: Settings,
     info: ModelInfo,
     apply_policy: Callable[[dict[str, Any]], int],
 ) -> PreparedRequest:
-    """Parse, validate, resolve the model, check the budget, apply the stream policy and the route's own
-    policy (which returns the prompt's token estimate), and serialise what goes to the engine."""
+    """Parse, count, validate, resolve the model, check choices and budget, apply the stream policy and the
+    route's own policy (which returns the prompt's token estimate), and serialise what goes to the engine."""
     data = parse_json_object(body)
-    _validate(schema, data)
+    _check_size(data, route, settings)
+    _validate(route.schema, data)
     model = _resolve_model(data["model"], settings, info)
     data["model"] = model
-    max_tokens = _check_budget(data, settings, info)
+    choices = _check_choices(data, settings) * route.prompts(data)
+    max_tokens = _check_budget(data, route, info)
     stream, wants_usage = _apply_stream_policy(data)
     estimate = apply_policy(data)
     return PreparedRequest(
-        body=orjson.dumps(data),
+        body=_serialise(data),
         model=model,
         stream=stream,
         client_wants_usage=wants_usage,
         prompt_tokens_estimate=estimate,
         max_tokens=max_tokens,
+        choices=choices,
     )
+
+
+def _length(value: Any) -> int:
+    return len(value) if isinstance(value, list) else 0
+
+
+def _batch(prompt: Any) -> int:
+    # A list of strings or of token-id lists is a batch; a flat list of token ids is one prompt.
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 0
+
+
+_CHAT = _Route(
+    schema=ChatCompletionRequest,
+    budget_fields=("max_completion_tokens", "max_tokens"),
+    items=lambda data: _length(data.get("messages")),
+    items_field="messages",
+    prompts=lambda data: 1,
+)
+_COMPLETION = _Route(
+    schema=CompletionRequest,
+    # vLLM's completions take max_tokens only.
+    budget_fields=("max_tokens",),
+    items=lambda data: _batch(data.get("prompt")),
+    items_field="prompt",
+    prompts=lambda data: max(1, _batch(data["prompt"])),
+)
 
 
 def prepare_chat(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
@@ -212,7 +306,7 @@ def prepare_chat(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRe
             data["messages"] = [{"role": "system", "content": settings.default_system_message}, *messages]
         return sum(_text_length(m.get("content")) for m in data["messages"]) // _CHARS_PER_TOKEN + 1
 
-    return _prepare(body, ChatCompletionRequest, settings, info, policy)
+    return _prepare(body, _CHAT, settings, info, policy)
 
 
 def _prompt_estimate(data: dict[str, Any]) -> int:
@@ -228,4 +322,4 @@ def _prompt_estimate(data: dict[str, Any]) -> int:
 
 def prepare_completion(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
     """Validate a text completion request and apply policy; raises InvalidRequestError / NotFoundError."""
-    return _prepare(body, CompletionRequest, settings, info, _prompt_estimate)
+    return _prepare(body, _COMPLETION, settings, info, _prompt_estimate)

@@ -1,8 +1,14 @@
-"""/health (the process is alive) and /ready (engine and Redis answer; else 503 saying which is down)."""
+"""/health (the process is alive) and /ready (engine and Redis answer; else 503 saying which is down).
+
+Both answer HEAD too (load balancers probe with it). /ready costs the engine nothing: it reads the
+monitor's cached view, and Redis is pinged at most once per `Readiness.ttl` however often it is asked.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
 
 import orjson
 from fastapi import APIRouter, Request, Response
@@ -12,17 +18,46 @@ from gateway.deps import get_services
 router = APIRouter()
 
 
-@router.get("/health")
+class Readiness:
+    """Redis's ping result, kept for `ttl` seconds; concurrent callers share one ping."""
+
+    def __init__(self, ttl: float = 1.0) -> None:
+        self.ttl = ttl
+        self._checked_at = -float("inf")
+        self._reason: str | None = None
+        self._running: asyncio.Future[str | None] | None = None
+
+    async def redis(self, ping: Callable[[], Awaitable[str | None]]) -> str | None:
+        """None when Redis answered within the last `ttl` seconds, else why not (ping run when stale)."""
+        if time.monotonic() - self._checked_at < self.ttl:
+            return self._reason
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._ping(ping))
+        # shield: one caller's cancellation must not cancel the ping the others wait for.
+        return await asyncio.shield(self._running)
+
+    async def _ping(self, ping: Callable[[], Awaitable[str | None]]) -> str | None:
+        try:
+            self._reason = await ping()
+            self._checked_at = time.monotonic()
+            return self._reason
+        finally:
+            self._running = None
+
+
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health() -> Response:
     """Liveness: answers while the process serves requests at all."""
     return Response(b'{"status":"ok"}', media_type="application/json")
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> Response:
-    """Readiness: 200 only when the engine's /health and Redis both answer now."""
+    """Readiness: 200 only when the engine is known ready (the monitor's cached view) and Redis answers."""
     services = get_services(request)
-    engine_reason, redis_reason = await asyncio.gather(services.monitor.check(), services.check_redis())
+    readiness: Readiness = request.app.state.readiness
+    engine_reason = services.monitor.down_reason
+    redis_reason = await readiness.redis(services.check_redis)
     body = {
         "status": "ready" if engine_reason is None and redis_reason is None else "not_ready",
         "engine": {"ok": engine_reason is None, "reason": engine_reason},

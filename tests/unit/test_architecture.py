@@ -142,7 +142,7 @@ def test_the_scan_sees_the_package() -> None:
     edges = {(i.file, i.module) for i in imports}
     assert ("gateway/app.py", "gateway.routes.openai") in edges
     assert ("gateway/relay/sse.py", "gateway.relay.client") in edges
-    assert ("gateway/cli.py", "gateway.app") in edges
+    assert ("gateway/server.py", "gateway.app") in edges
 
 
 def test_leaves_import_no_other_gateway_module() -> None:
@@ -180,9 +180,9 @@ def test_doctor_imports_only_settings_errors_its_own_modules_and_engine_data() -
     assert not violations, _report(violations)
 
 
-def test_nothing_but_the_cli_imports_the_app() -> None:
+def test_nothing_but_the_server_imports_the_app() -> None:
     violations = [
-        str(i) for i in _all_imports() if i.file != "gateway/cli.py" and _is_within(i.module, ("gateway.app",))
+        str(i) for i in _all_imports() if i.file != "gateway/server.py" and _is_within(i.module, ("gateway.app",))
     ]
     assert not violations, _report(violations)
 

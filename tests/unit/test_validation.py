@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import orjson
@@ -10,7 +11,7 @@ import pytest
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.relay.model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, Settings
-from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion
+from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion, prepare_off_loop
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -397,20 +398,21 @@ def test_other_stream_options_are_preserved(include_usage: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "estimate"),
+    ("prompt", "estimate", "prompts"),
     [
-        ("abcdefgh", 8 // 4 + 1),
-        (["abcd", "efghijkl"], 12 // 4 + 1),
-        ([101, 102, 103], 3),
-        ([[101, 102], [103, 104, 105]], 5),
+        ("abcdefgh", 8 // 4 + 1, 1),
+        (["abcd", "efghijkl"], 12 // 4 + 1, 2),
+        ([101, 102, 103], 3, 1),
+        ([[101, 102], [103, 104, 105]], 5, 2),
     ],
     ids=["str", "list-str", "token-ids", "batch-token-ids"],
 )
-def test_prompt_forms_are_accepted_and_estimated(prompt: Any, estimate: int) -> None:
+def test_prompt_forms_are_accepted_and_estimated(prompt: Any, estimate: int, prompts: int) -> None:
     prepared, out = completion(completion_body(prompt=prompt, max_tokens=100))
     assert out["prompt"] == prompt
     assert prepared.prompt_tokens_estimate == estimate
-    assert prepared.tokens_estimate == estimate + 100
+    # Each prompt of a batch gets its own completion, and each is charged.
+    assert prepared.tokens_estimate == estimate + 100 * prompts
 
 
 @pytest.mark.parametrize(
@@ -462,3 +464,135 @@ def test_tokens_estimate_without_max_tokens_still_charges_a_completion() -> None
 )
 def test_param_path(loc: tuple[int | str, ...], path: str) -> None:
     assert param_path(loc) == path
+
+
+# --- hostile bodies (issue 12) ---------------------------------------------------------------------
+
+TOKEN_FIELDS = [
+    ("max_tokens", -1),
+    ("max_tokens", 0),
+    ("max_tokens", "100"),
+    ("max_tokens", 1.5),
+    ("max_tokens", True),
+    ("max_tokens", 1e20),  # what orjson makes of an integer beyond 64 bits
+    ("max_completion_tokens", -5),
+    ("max_completion_tokens", "5"),
+    ("max_completion_tokens", [5]),
+    ("min_tokens", -1),
+    ("min_tokens", "1"),
+    ("n", 0),
+    ("n", -2),
+    ("n", "2"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), TOKEN_FIELDS, ids=lambda v: repr(v))
+@pytest.mark.parametrize("completions", [False, True], ids=["chat", "completions"])
+def test_every_token_count_field_is_a_positive_whole_number(field: str, value: Any, completions: bool) -> None:
+    body = completion_body(**{field: value}) if completions else chat_body(**{field: value})
+    error = rejected(body, completions=completions)
+    assert error.param == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("best_of", 0), ("best_of", "2"), ("logprobs", -1), ("logprobs", 21), ("logprobs", "3")],
+    ids=lambda v: repr(v),
+)
+def test_completion_choice_and_logprob_fields_are_bounded(field: str, value: Any) -> None:
+    assert rejected(completion_body(**{field: value}), completions=True).param == field
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_logprobs", -1), ("top_logprobs", 21), ("logprobs", 3)])
+def test_chat_logprob_fields_are_bounded(field: str, value: Any) -> None:
+    assert rejected(chat_body(**{field: value})).param == field
+
+
+def test_best_of_below_n_or_above_the_cap_is_refused() -> None:
+    assert rejected(completion_body(n=3, best_of=2), completions=True).param == "best_of"
+    assert rejected(completion_body(best_of=SETTINGS.max_n + 1), completions=True).param == "best_of"
+
+
+@pytest.mark.parametrize("prompt", [[1, -2, 3], [[1, 2], [-1]], [2**40], [[2**31]]], ids=str)
+def test_negative_or_huge_token_ids_are_refused(prompt: Any) -> None:
+    error = rejected(completion_body(prompt=prompt), completions=True)
+    assert error.param == "prompt"
+    assert "token ids" in error.message
+
+
+def test_the_up_front_charge_counts_every_choice() -> None:
+    single, _ = chat(chat_body(max_tokens=100))
+    assert single.tokens_estimate == single.prompt_tokens_estimate + 100
+    several, _ = chat(chat_body(max_completion_tokens=100, n=3))
+    assert several.tokens_estimate == several.prompt_tokens_estimate + 300
+    best, _ = completion(completion_body(max_tokens=10, n=2, best_of=4))
+    assert best.tokens_estimate == best.prompt_tokens_estimate + 40
+    batch, _ = completion(completion_body(prompt=["a", "b", "c"], max_tokens=10, n=2))
+    assert batch.tokens_estimate == batch.prompt_tokens_estimate + 60
+
+
+def test_completions_are_charged_by_max_tokens_the_field_the_engine_reads() -> None:
+    prepared, _ = completion(completion_body(max_tokens=7, max_completion_tokens=100))
+    assert prepared.max_tokens == 7
+
+
+def nested(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("completions", [False, True], ids=["chat", "completions"])
+@pytest.mark.parametrize("depth", [300, 1000])
+def test_nesting_the_serialiser_refuses_is_a_400(depth: int, completions: bool) -> None:
+    # orjson parses up to 1024 levels but serialises only ~254: before, this was a 500.
+    raw = b'{"vllm_xargs": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+    base = completion_body() if completions else chat_body()
+    body = base[:-1] + b"," + raw[1:]
+    error = rejected(body, completions=completions)
+    assert "nested too deeply" in error.message
+
+
+def test_nesting_the_serialiser_accepts_passes_through() -> None:
+    _, out = chat(chat_body(extra=nested(200)))
+    assert out["extra"] == nested(200)
+
+
+def test_too_many_messages_are_refused_before_they_are_checked() -> None:
+    settings = Settings(max_messages=10)
+    # Invalid messages: had they been validated first, the error would name messages[0].role.
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "User", "content": "x"}] * 11})
+    with pytest.raises(InvalidRequestError) as caught:
+        prepare_chat(body, settings, INFO)
+    assert caught.value.param == "messages"
+    assert "at most 10" in caught.value.message
+    prepared = prepare_chat(orjson.dumps({"model": MODEL, "messages": [USER] * 10}), settings, INFO)
+    assert prepared.model == MODEL
+
+
+def test_a_batch_of_prompts_counts_against_the_message_cap_but_token_ids_do_not() -> None:
+    settings = Settings(max_messages=3)
+    with pytest.raises(InvalidRequestError) as caught:
+        prepare_completion(completion_body(prompt=["a", "b", "c", "d"]), settings, INFO)
+    assert caught.value.param == "prompt"
+    prepare_completion(completion_body(prompt=list(range(100))), settings, INFO)
+
+
+async def test_large_bodies_are_prepared_off_the_event_loop() -> None:
+    settings = Settings(offload_body_bytes=1024)
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+
+    def spy(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+        threads.append(threading.get_ident())
+        return prepare_chat(body, settings, info)
+
+    small = chat_body()
+    large = chat_body(messages=[{"role": "user", "content": "x" * 2000}])
+    assert (await prepare_off_loop(spy, small, settings, INFO)).model == MODEL
+    assert (await prepare_off_loop(spy, large, settings, INFO)).model == MODEL
+    assert threads[0] == loop_thread
+    assert threads[1] != loop_thread
+    with pytest.raises(InvalidRequestError):
+        await prepare_off_loop(spy, b"[" + large, settings, INFO)

@@ -1,0 +1,290 @@
+"""The gateway's HTTP server: uvicorn with httptools, bounded in what one client may cost (issue 12).
+
+`serve(settings)` builds the app and runs it until SIGTERM/SIGINT. `GuardedHttpToolsProtocol` caps the
+request head (431), gives it a deadline (408, then close), closes a body still arriving after its
+deadline, and refuses connections beyond a cap at accept (503); the 408 for a slow body is answered by
+the middleware, where the route reads it. Imports the app (this is where it runs), settings and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import json
+import logging
+import resource
+import time
+from asyncio import TimerHandle
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from gateway.app import create_app
+from gateway.errors import GatewayError, OverloadedError, RequestHeadTooLargeError, RequestTimeoutError
+from gateway.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+# File descriptors kept free beyond the engine and Redis pools: logs, the listening socket, probes.
+_FD_HEADROOM = 64
+# A refused or cut-off client is logged at most this often (with a count), so a flood cannot flood the log.
+_LOG_EVERY = 10.0
+# How long a refused connection may linger half-closed so the client reads its 503 instead of a reset.
+_REFUSAL_LINGER = 1.0
+_STARTUP_FAILURE = 3
+
+
+def default_max_connections(settings: Settings) -> int:
+    """The connection cap when `http.max_connections` is unset: the open-file limit less the gateway's own
+    needs (engine and Redis pools, a little headroom), but at least half the limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    reserve = settings.relay.max_connections + settings.redis.max_connections + _FD_HEADROOM
+    return max(soft - reserve, soft // 2)
+
+
+class _ThrottledLog:
+    """Counts events of one kind and logs a warning about them at most once per `_LOG_EVERY` seconds."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+        self._count = 0
+        self._logged_at = -_LOG_EVERY
+
+    def event(self, *args: object) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._logged_at >= _LOG_EVERY:
+            logger.warning(self._message, self._count, *args)
+            self._count = 0
+            self._logged_at = now
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """What one client connection may cost, shared by every connection of a server."""
+
+    max_head_bytes: int
+    head_timeout: float
+    body_timeout: float
+    max_connections: int
+    refusals: _ThrottledLog
+    slow_heads: _ThrottledLog
+    slow_bodies: _ThrottledLog
+    large_heads: _ThrottledLog
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ClientLimits:
+        cap = settings.http.max_connections or default_max_connections(settings)
+        return cls(
+            max_head_bytes=settings.http.max_head_bytes,
+            head_timeout=settings.http.head_timeout,
+            # The middleware answers a late body with 408 at `body_timeout`; this closes what it cannot reach.
+            body_timeout=settings.http.body_timeout + 1.0,
+            max_connections=cap,
+            refusals=_ThrottledLog(f"refused %d connection(s): the gateway holds its cap of {cap} connections"),
+            slow_heads=_ThrottledLog("closed %d connection(s) whose request head took longer than %g s"),
+            slow_bodies=_ThrottledLog("closed %d connection(s) whose request body took longer than %g s"),
+            large_heads=_ThrottledLog("refused %d request(s) with a head over %d bytes (431)"),
+        )
+
+
+class ServerConfig(uvicorn.Config):
+    """uvicorn's Config carrying the gateway's client limits to every protocol instance it creates."""
+
+    def __init__(self, app: Any, *, limits: ClientLimits, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.limits = limits
+
+
+def _raw_response(error: GatewayError) -> bytes:
+    """`error` as a complete HTTP/1.1 response in OpenAI's envelope that closes the connection."""
+    body = error.to_json()
+    lines = [f"HTTP/1.1 {error.status_code} {http.HTTPStatus(error.status_code).phrase}"]
+    lines += ["content-type: application/json", f"content-length: {len(body)}", "connection: close"]
+    lines += [f"{name}: {value}" for name, value in error.headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (its speed kept) with the limits httptools lacks: a head-size cap, a
+    head deadline, a body backstop and a connection cap. Everything else is uvicorn's."""
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        assert isinstance(config, ServerConfig)
+        self._limits = config.limits
+        self._head_open = False  # a request head has begun and is not complete yet
+        self._head_bytes = 0  # bytes of that head counted so far (see data_received)
+        self._head_timer: TimerHandle | None = None
+        self._body_timer: TimerHandle | None = None
+        self._linger: TimerHandle | None = None
+        self._done = False  # refused or cut off: ignore whatever else arrives
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if len(self.connections) >= self._limits.max_connections:
+            self._refuse(transport)
+            return
+        super().connection_made(transport)  # type: ignore[arg-type]  # uvicorn narrows it to asyncio.Transport
+        self._start_head_timer()
+
+    def _refuse(self, transport: asyncio.BaseTransport) -> None:
+        # Answered before reading anything: the whole point is to spend nothing on this client. The write
+        # side is shut and the socket closed a moment later (or when the client closes), so a client that
+        # has already sent its request reads the 503 rather than a reset.
+        assert isinstance(transport, asyncio.Transport)
+        self._done = True
+        self.transport = transport
+        self._limits.refusals.event()
+        error = OverloadedError("The gateway has too many open connections; retry shortly.", retry_after=1.0)
+        transport.write(_raw_response(error))
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._linger = self.loop.call_later(_REFUSAL_LINGER, transport.close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._done:
+            return
+        # A head only grows across calls: count whole chunks that arrive while one is open (the chunk it
+        # began in is not counted, which errs towards admitting) and stop before httptools buffers it all.
+        # The exact size is checked when the head is complete.
+        head_was_open = self._head_open
+        super().data_received(data)
+        if self._finished():
+            return
+        if head_was_open and self._head_open:
+            self._head_bytes += len(data)
+            if self._head_bytes > self._limits.max_head_bytes:
+                self._reject_head(self._head_bytes)
+                return
+        if self._head_timer is None and not self._head_open and self._idle():
+            # Bytes that begin no request (blank lines) must not keep a connection open forever either.
+            self._start_head_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_open = True
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._start_head_timer()
+
+    def on_headers_complete(self) -> None:
+        if self._done:
+            return
+        self._head_open = False
+        self._cancel_head_timer()
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self._limits.max_head_bytes:
+            self._reject_head(size)
+            return
+        super().on_headers_complete()
+        self._body_timer = self.loop.call_later(self._limits.body_timeout, self._body_timed_out)
+
+    def on_body(self, body: bytes) -> None:
+        if not self._done:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._done:
+            return
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+
+    def _finished(self) -> bool:
+        # A method, not an inline test: the parser's callbacks may set `_done` during `data_received`.
+        return self._done or self.transport.is_closing()
+
+    def _idle(self) -> bool:
+        cycle: RequestResponseCycle | None = self.cycle  # None until the first head is complete
+        return (cycle is None or cycle.response_complete) and not self.pipeline
+
+    def _start_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self._limits.head_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _cancel_timers(self) -> None:
+        self._cancel_head_timer()
+        for timer in (self._body_timer, self._linger):
+            if timer is not None:
+                timer.cancel()
+        self._body_timer = self._linger = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        self._limits.slow_heads.event(self._limits.head_timeout)
+        if not self._idle():
+            # A response is still going out (a pipelined head is slow): finish it, read nothing more, close.
+            self.cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
+        error = RequestTimeoutError(
+            f"The request head did not arrive within {self._limits.head_timeout:g} s; send it at once."
+        )
+        self._close(error if self._head_open else None)
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self.transport.is_closing():
+            self._limits.slow_bodies.event(self._limits.body_timeout)
+            self._close(None)
+
+    def _reject_head(self, size: int) -> None:
+        self._limits.large_heads.event(self._limits.max_head_bytes)
+        error = RequestHeadTooLargeError(
+            f"The request line and headers are {size}+ bytes; the limit is {self._limits.max_head_bytes} bytes."
+        )
+        self._close(error if self._idle() else None)
+
+    def _close(self, error: GatewayError | None) -> None:
+        """Answer `error` (when nothing else is being answered) and close; nothing more is read."""
+        self._done = True
+        self._cancel_timers()
+        if error is not None:
+            self.transport.write(_raw_response(error))
+        self.transport.close()
+
+
+def serve(settings: Settings) -> int:
+    """Run the gateway under uvicorn until SIGTERM/SIGINT (open streams get `shutdown_grace` to finish)."""
+    logger.info("effective settings: %s", json.dumps(settings.masked()))
+    limits = ClientLimits.from_settings(settings)
+    logger.info(
+        "client limits: %d connections, %d-byte heads within %g s, bodies within %g s",
+        limits.max_connections,
+        limits.max_head_bytes,
+        limits.head_timeout,
+        settings.http.body_timeout,
+    )
+    config = ServerConfig(
+        create_app(settings),
+        limits=limits,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http=GuardedHttpToolsProtocol,
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        # The app's ForwardedClientMiddleware reads X-Forwarded-For, and only believes addresses.
+        proxy_headers=False,
+        timeout_graceful_shutdown=int(settings.shutdown_grace),
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else _STARTUP_FAILURE
