@@ -1,5 +1,5 @@
 # The README's commands. `make test` is what CI runs.
-.PHONY: run test test-fast lint bench
+.PHONY: run test test-fast lint bench soak
 
 run:            ## the main job: install, model, Redis, a demo key, engine supervisor + gateway
 	scripts/run
@@ -18,3 +18,8 @@ bench:          ## gateway overhead vs the engine directly, without and with key
 	mkdir -p loadtest/results
 	.venv/bin/python -m loadtest.overhead --json loadtest/results/overhead.json
 	.venv/bin/python -m loadtest.overhead --auth --json loadtest/results/overhead-auth.json
+
+soak:           ## a bounded soak (3 min; SOAK_ARGS="--duration 900" for longer, "--engine-url URL" for a real engine)
+	scripts/bootstrap
+	mkdir -p loadtest/results
+	.venv/bin/python -m loadtest.soak $(SOAK_ARGS)

@@ -1,0 +1,75 @@
+"""Client faults: fifty streaming clients vanish at once, mid-stream, with their sockets reset.
+
+Afterwards nothing may stay held on their behalf: the engine's running requests, the key's concurrency
+slots in Redis, the gateway's in-flight gauge.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+
+import pytest
+
+from tests.faults.conftest import Figures, chat_body, gateway_on, in_flight
+from tests.procs import FakeEngineControl, wait_until
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
+
+CLIENTS = 50
+
+
+def open_stream_socket(port: int, authorization: str) -> socket.socket:
+    """A raw HTTP/1.1 streaming request; returns once the first token event has arrived."""
+    body = json.dumps(chat_body(max_tokens=2000, token_delay=0.05)).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: {authorization}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(head + body)
+    received = b""
+    while b'"content"' not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"the gateway closed the stream before its first token: {received[-300:]!r}"
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200"), received[:300]
+    return sock
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with an RST (SO_LINGER 0): the client process died rather than hung up politely."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_fifty_clients_killed_mid_stream_leave_nothing_held(
+    fault_engine: FakeEngineControl, redis_url: str, figures: Figures
+) -> None:
+    fault_engine.reset()
+    with gateway_on(fault_engine, redis_url) as gateway:
+        baseline = in_flight(gateway.url)
+        port = int(gateway.url.rsplit(":", 1)[1])
+        sockets = []
+        try:
+            for _ in range(CLIENTS):
+                sockets.append(open_stream_socket(port, gateway.headers["Authorization"]))
+            assert fault_engine.stats()["active_streams"] == CLIENTS
+            assert gateway.leases() == CLIENTS
+        finally:
+            killed_at = time.monotonic()
+            for sock in sockets:
+                reset(sock)
+
+        def engine_idle() -> bool:
+            stats = fault_engine.stats()
+            return stats["active_streams"] == 0 and stats["active_requests"] == 0
+
+        wait_until(engine_idle, timeout=10, message=f"the engine still runs streams: {fault_engine.stats()}")
+        figures("clients_killed.engine_idle_after_s", time.monotonic() - killed_at, "s", f"{CLIENTS} streams")
+        wait_until(lambda: gateway.leases() == 0, timeout=5, message=f"{gateway.leases()} slots still held")
+        wait_until(lambda: in_flight(gateway.url) <= baseline, timeout=5, message="the in-flight gauge leaked")
+        figures("clients_killed.all_released_after_s", time.monotonic() - killed_at, "s", "engine, slots, gauge")
+        assert fault_engine.stats()["disconnects"] == CLIENTS, "every engine request saw its client leave"
