@@ -1,0 +1,98 @@
+"""Redis stopped and restarted under load, seen by clients of a real gateway with a grown Redis pool.
+
+While Redis is down new requests are refused fast (fail closed) and streams already admitted run to
+their end; once it answers again no request is refused and the slots those streams held are free within
+about a second. The limiter-level cases (a lost reply, a failed release alone) are in
+tests/integration/test_redis_faults.py, whose private redis-server this reuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.faults.conftest import Figures, StreamOutcome, chat_body, gateway_on, read_stream
+from tests.integration.test_redis_faults import PrivateRedis, _connected_clients
+from tests.procs import FakeEngineControl, async_wait_until
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
+
+BURST = 80
+# Stated bound for 503s once Redis answers again (the target: none).
+MAX_503_AFTER_RESTART = 0
+# A refusal while Redis is down: the connection is refused at once, so well under a second.
+FAST_503 = 1.5
+# Slots of streams that ended during the outage, freed after Redis answers (their lease TTL is 30 s).
+SLOT_BOUND = 3.0
+
+
+@pytest.fixture
+def restartable_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    server = PrivateRedis(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_redis_restart_under_load(
+    fault_engine: FakeEngineControl, restartable_redis: PrivateRedis, figures: Figures
+) -> None:
+    fault_engine.reset()
+    with gateway_on(fault_engine, restartable_redis.url, max_concurrency=1000) as gateway:
+        url = f"{gateway.url}/v1/chat/completions"
+        short = chat_body(stream=False, max_tokens=2, token_delay=0.05)
+        limits = httpx.Limits(max_connections=BURST + 20)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0), limits=limits) as client:
+
+            async def burst(count: int) -> list[httpx.Response]:
+                return await asyncio.gather(
+                    *(client.post(url, json=short, headers=gateway.headers) for _ in range(count))
+                )
+
+            assert [r.status_code for r in await burst(BURST)] == [200] * BURST
+            pooled = await _connected_clients(restartable_redis.url)
+            figures("redis_restart.pool_connections", pooled, "connections", f"after a burst of {BURST}")
+            assert pooled >= 20, f"the burst grew the gateway's Redis pool to {pooled} connections only"
+
+            # Streams admitted now end while Redis is down: their slots cannot be released then.
+            started = [asyncio.Event() for _ in range(5)]
+            stream_body = chat_body(max_tokens=40, token_delay=0.05)
+            streams: list[asyncio.Task[StreamOutcome]] = [
+                asyncio.create_task(read_stream(client, url, gateway.headers, stream_body, event)) for event in started
+            ]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+            await asyncio.to_thread(restartable_redis.stop)
+            down = []
+            for _ in range(10):
+                sent = time.monotonic()
+                response = await client.post(url, json=short, headers=gateway.headers)
+                down.append((response, time.monotonic() - sent))
+            outcomes = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            await asyncio.to_thread(restartable_redis.start)
+            answered_at = time.monotonic()
+            after = await burst(40)
+
+            for response, elapsed in down:
+                assert response.status_code == 503, response.text
+                assert response.headers.get("retry-after", "").isdigit()
+                assert elapsed < FAST_503, f"a request took {elapsed:.2f} s with Redis down"
+            figures("redis_down.slowest_503_s", max(elapsed for _, elapsed in down), "s", "fail closed")
+            for index, outcome in enumerate(outcomes):
+                assert outcome.done and not outcome.errors, f"stream {index} was not completed: {outcome.data[-2:]}"
+            refused = [r.status_code for r in after].count(503)
+            figures("redis_restart.503s_after_restart", refused, "requests", "of 40 sent as Redis answered again")
+            assert refused <= MAX_503_AFTER_RESTART, f"{refused} of 40 requests got 503 after Redis came back"
+            assert [r.status_code for r in after] == [200] * 40
+            await async_wait_until(
+                lambda: gateway.leases() == 0,
+                within=SLOT_BOUND,
+                message=f"{gateway.leases()} slots still held {SLOT_BOUND} s after Redis answered",
+            )
+            figures("redis_restart.slots_free_after_s", time.monotonic() - answered_at, "s", "since Redis answered")
