@@ -13,7 +13,8 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      ├─ InternalError            500  internal_error
      └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
          ├─ EngineUnavailableError    503  code=engine_unavailable
-         │   └─ EngineRefusedError    503  (connection refused: the engine is down)
+         │   ├─ EngineRefusedError    503  (connection refused: the engine is down)
+         │   └─ EngineConnectionLostError 503  (the connection dropped mid-exchange)
          ├─ KeyStoreUnavailableError  503  code=key_store_unavailable
          ├─ EngineProtocolError       502  code=engine_protocol_error
          └─ EngineTimeoutError        504  code=engine_timeout
@@ -142,6 +143,10 @@ class EngineUnavailableError(ServiceUnavailableError):
 
 class EngineRefusedError(EngineUnavailableError):
     """Nothing listens on the engine's port: it is down, so requests are refused fast until a probe succeeds."""
+
+
+class EngineConnectionLostError(EngineUnavailableError):
+    """The engine closed or reset the connection during an exchange (it died, or restarted)."""
 
 
 class KeyStoreUnavailableError(ServiceUnavailableError):

@@ -59,7 +59,8 @@ class GatewayMetrics:
         )
         self.engine_errors = Counter(
             "nemotron_gateway_engine_errors",
-            "Failures talking to the engine, by kind (unavailable, timeout, protocol, stream_broken).",
+            "Failures talking to the engine, by kind (refused, connection_lost, timeout, protocol, error_status, "
+            "mid_stream, frozen).",
             ["kind"],
             registry=r,
         )

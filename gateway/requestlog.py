@@ -1,12 +1,35 @@
 """RequestRecord: what one request did, filled in along the way and written out once at its end.
 
 A leaf: the middleware creates it, routes and the relay fill it, the access log and metrics read it.
+`EngineErrorKind` names how an exchange with the engine failed (the access log's `engine_error=` and
+the `kind` label of `nemotron_gateway_engine_errors_total`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
+
+
+class EngineErrorKind(StrEnum):
+    """How an exchange with the engine failed."""
+
+    REFUSED = "refused"  # connection refused: nothing listens, the engine never saw the request
+    CONNECTION_LOST = "connection_lost"  # the connection dropped before the answer started
+    TIMEOUT = "timeout"  # no answer (or a silent stream) within the relay's timeout
+    PROTOCOL = "protocol"  # an answer that is not valid HTTP/OpenAI
+    ERROR_STATUS = "error_status"  # the engine answered non-2xx (relayed to the client as it is)
+    MID_STREAM = "mid_stream"  # a started stream broke or ended unfinished
+    FROZEN = "frozen"  # the engine monitor found the engine not generating and ended the request
+
+    @property
+    def engine_worked(self) -> bool:
+        """Whether the engine may have generated tokens: if so an unknown usage keeps the token charge.
+
+        A refused connection never reached the engine, and an error answer is given before generating.
+        """
+        return self not in (EngineErrorKind.REFUSED, EngineErrorKind.ERROR_STATUS)
 
 
 @dataclass(slots=True)
@@ -22,7 +45,10 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     client_disconnected: bool = False
-    engine_error: str | None = None
+    engine_error: EngineErrorKind | None = None
+    # The id the engine saw: the client's id plus a random suffix, so two clients sending the same
+    # X-Request-ID never collide inside the engine (the client still gets its own id back).
+    engine_request_id: str | None = None
 
     def take_usage(self, usage: Any) -> None:
         """Record the engine's `usage` object (ignored when malformed)."""

@@ -15,7 +15,9 @@ from gateway.auth import KeyStore
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import FailedAuthGuard, RedisRateLimiter
 from gateway.redis_client import connect_redis
+from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
+from gateway.relay.exchange import EngineRelay
 from gateway.relay.monitor import EngineMonitor
 from gateway.settings import Settings
 
@@ -30,6 +32,7 @@ class Services:
     metrics: GatewayMetrics
     engine: EngineClient
     monitor: EngineMonitor
+    relay: EngineRelay
     redis: redis_asyncio.Redis
     keys: KeyStore
     limiter: RedisRateLimiter
@@ -39,12 +42,15 @@ class Services:
     def build(cls, settings: Settings, metrics: GatewayMetrics) -> Services:
         """Construct (nothing is connected until `start`)."""
         engine = EngineClient(settings)
+        activity = EngineActivity()
+        monitor = EngineMonitor(engine, settings, metrics, activity)
         redis = connect_redis(settings)
         return cls(
             settings=settings,
             metrics=metrics,
             engine=engine,
-            monitor=EngineMonitor(engine, settings, metrics),
+            monitor=monitor,
+            relay=EngineRelay(engine, monitor, activity, settings, metrics),
             redis=redis,
             keys=KeyStore(redis, settings),
             limiter=RedisRateLimiter(redis, settings),

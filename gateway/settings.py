@@ -48,10 +48,37 @@ class RelaySettings(_Group):
         description="Seconds an idle pooled engine connection is kept; below the engine's own idle timeout "
         "(5 s in vllm serve).",
     )
-    probe_interval: float = Field(2.0, gt=0, description="Seconds between two probes of the engine's /health.")
-    probe_timeout: float = Field(2.0, gt=0, description="Seconds one /health probe may take.")
+    probe_interval: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds between two probes of the engine's /health; also how long the engine may be idle (no "
+        "chunk or answer from it) before a one-token generation probe checks that it still generates.",
+    )
+    probe_timeout: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds one /health probe may take. A late answer alone never refuses traffic (a saturated "
+        "engine answers /health late); only a refused connection, a non-200 answer or a stuck engine do.",
+    )
     retry_after: float = Field(
         5.0, gt=0, description="Retry-After (seconds) sent with 503s while the engine is down or starting."
+    )
+    generation_probe_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds the one-token generation probe (POST /v1/completions, max_tokens 1) may take before "
+        "it counts as failed. Generous: a CPU engine on two cores is slow, and a failure only matters when no other "
+        "progress is seen meanwhile.",
+    )
+    stall_timeout: float = Field(
+        15.0,
+        gt=0,
+        description="Seconds the engine may hold requests without sending any chunk or answer before it is taken "
+        "as stuck (if a generation probe fails too): new requests then get 503 with Retry-After, /ready says "
+        "'engine not generating', and requests in flight end with an error. Bound: a frozen engine is refused "
+        "within max(stall_timeout, generation_probe_timeout + 2 x probe_interval) + probe_interval seconds "
+        "(17 s with the defaults) when busy, and within generation_probe_timeout + 2 x probe_interval (14 s) when "
+        "idle; a refused connection or a non-200 /health within probe_interval.",
     )
 
 

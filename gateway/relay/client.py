@@ -1,13 +1,18 @@
 """EngineClient: the one pooled keep-alive HTTP client to the engine, with timeouts and error mapping.
 
 aiohttp, not httpx, on the relay path: the overhead benchmark (loadtest/overhead.py) showed httpx's
-async client costing several times more CPU per request and per chunk. Foreign errors are mapped
-to gateway errors here, once. Imports settings and errors only.
+async client costing several times more CPU per request and per chunk. aiohttp's exceptions are
+mapped to gateway errors in one place, `engine_errors()` (httpx's `map_httpcore_exceptions`
+pattern), used around every call here and by `UpstreamResponse`'s read methods, so nothing else in
+the gateway imports aiohttp. Imports settings and errors only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -15,6 +20,7 @@ import aiohttp
 import orjson
 
 from gateway.errors import (
+    EngineConnectionLostError,
     EngineProtocolError,
     EngineRefusedError,
     EngineTimeoutError,
@@ -22,21 +28,72 @@ from gateway.errors import (
 )
 from gateway.settings import Settings
 
+# The one-token generation probe's request ids start with this (the test engine leaves them out of its log).
+PROBE_ID_PREFIX = "probe-"
+
+
+def map_engine_error(exc: BaseException, timeout_message: str, retry_after: float = 1.0) -> BaseException:
+    """The gateway error for an aiohttp (or asyncio timeout) exception; anything else is returned as it is.
+
+    ClientConnectorError -> EngineRefusedError (nothing listens); a dropped connection (server
+    disconnected, reset, truncated body) -> EngineConnectionLostError; any other ClientError ->
+    EngineProtocolError; TimeoutError -> EngineTimeoutError carrying `timeout_message`.
+    """
+    if isinstance(exc, TimeoutError):  # before ClientError: aiohttp's own timeouts are both
+        return EngineTimeoutError(timeout_message, retry_after=retry_after)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return EngineRefusedError(
+            "The model engine is unavailable (connection refused); retry shortly.", retry_after=retry_after
+        )
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | aiohttp.ClientPayloadError):
+        return EngineConnectionLostError(
+            "The model engine is unavailable (connection lost); retry shortly.", retry_after=retry_after
+        )
+    if isinstance(exc, aiohttp.ClientError):
+        return EngineProtocolError(
+            f"The model engine sent an invalid response ({type(exc).__name__}).", retry_after=retry_after
+        )
+    return exc
+
+
+@contextlib.contextmanager
+def engine_errors(timeout_message: str, retry_after: float = 1.0) -> Iterator[None]:
+    """Raise `map_engine_error`'s gateway error for an aiohttp or timeout exception escaping the block."""
+    try:
+        yield
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise map_engine_error(exc, timeout_message, retry_after) from None
+
 
 class UpstreamResponse:
     """A started engine response: status and headers are known, the body is still to be read."""
 
-    __slots__ = ("_response", "content_type", "status")
+    __slots__ = ("_content", "_response", "_retry_after", "content_type", "status")
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, retry_after: float = 1.0) -> None:
         self._response = response
+        self._content = response.content
+        self._retry_after = retry_after
         self.status = response.status
         self.content_type = response.headers.get("content-type", "application/json")
 
-    @property
-    def content(self) -> aiohttp.StreamReader:
-        """The raw body stream (for SSE relaying)."""
-        return self._response.content
+    async def read_chunk(self) -> bytes:
+        """The next bytes of the body as they arrive (b"" at its end); errors mapped by `engine_errors`."""
+        # A plain try, not `engine_errors()`: this runs per chunk, and a try costs nothing until it raises.
+        try:
+            return await self._content.readany()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise map_engine_error(exc, "The model engine stopped sending.", self._retry_after) from None
+
+    async def read_body(self, within: float) -> bytes:
+        """The whole body, within `within` seconds; the connection is dropped on any failure."""
+        try:
+            with engine_errors(f"The model engine did not finish within {within:g} s.", self._retry_after):
+                async with asyncio.timeout(within):
+                    return await self._response.read()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Drop the connection; the engine sees the disconnect and aborts the generation."""
@@ -92,83 +149,71 @@ class EngineClient:
     ) -> None:
         await self.stop()
 
-    def _unavailable(self, why: str) -> EngineUnavailableError:
-        return EngineUnavailableError(
-            f"The model engine is unavailable ({why}); retry shortly.", retry_after=self._retry_after
-        )
+    def _started(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise EngineUnavailableError(
+                "The model engine is unavailable (the gateway is not started); retry shortly.",
+                retry_after=self._retry_after,
+            )
+        return self._session
 
     async def open(self, path: str, body: bytes, request_id: str) -> UpstreamResponse:
         """POST `body` to `path` and wait for the status line and headers (first-byte timeout)."""
-        if self._session is None:
-            raise self._unavailable("the gateway is not started")
+        session = self._started()
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id, **self._auth_header}
-        try:
-            async with asyncio.timeout(self._relay.first_byte_timeout):
-                response = await self._session.post(self._base_url + path, data=body, headers=headers)
-        except TimeoutError:
-            raise EngineTimeoutError(
-                f"The model engine did not answer within {self._relay.first_byte_timeout:g} s.",
-                retry_after=self._retry_after,
-            ) from None
-        except aiohttp.ClientConnectorError:
-            raise EngineRefusedError(
-                "The model engine is unavailable (connection refused); retry shortly.", retry_after=self._retry_after
-            ) from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            raise self._unavailable("connection lost") from None
-        except aiohttp.ClientError as exc:
-            raise EngineProtocolError(
-                f"The model engine sent an invalid response ({type(exc).__name__}).", retry_after=self._retry_after
-            ) from None
-        return UpstreamResponse(response)
+        within = self._relay.first_byte_timeout
+        with engine_errors(f"The model engine did not answer within {within:g} s.", self._retry_after):
+            async with asyncio.timeout(within):
+                response = await session.post(self._base_url + path, data=body, headers=headers)
+        return UpstreamResponse(response, self._retry_after)
 
     async def read_body(self, upstream: UpstreamResponse) -> bytes:
         """The whole body of a non-streamed answer, bounded by the first-byte timeout."""
-        try:
-            async with asyncio.timeout(self._relay.first_byte_timeout):
-                return await upstream._response.read()
-        except TimeoutError:
-            upstream.close()
-            raise EngineTimeoutError(
-                f"The model engine did not finish within {self._relay.first_byte_timeout:g} s.",
-                retry_after=self._retry_after,
-            ) from None
-        except aiohttp.ClientError:
-            upstream.close()
-            raise self._unavailable("connection lost while reading the answer") from None
+        return await upstream.read_body(self._relay.first_byte_timeout)
 
     async def get_json(self, path: str, within: float) -> Any:
-        """GET a small JSON document (models list); errors mapped like `open`."""
-        if self._session is None:
-            raise self._unavailable("the gateway is not started")
-        try:
+        """GET a small JSON document (models list); errors mapped by `engine_errors`."""
+        session = self._started()
+        with engine_errors(f"The model engine did not answer {path} within {within:g} s.", self._retry_after):
             async with asyncio.timeout(within):
-                async with self._session.get(self._base_url + path, headers=self._auth_header) as response:
+                async with session.get(self._base_url + path, headers=self._auth_header) as response:
                     if response.status != 200:
-                        raise self._unavailable(f"{path} answered {response.status}")
-                    return orjson.loads(await response.read())
-        except TimeoutError:
-            raise EngineTimeoutError(f"The model engine did not answer {path} in time.") from None
-        except aiohttp.ClientError:
-            raise self._unavailable("connection refused") from None
+                        raise EngineUnavailableError(
+                            f"The model engine answered {path} with HTTP {response.status}.",
+                            retry_after=self._retry_after,
+                        )
+                    raw = await response.read()
+        try:
+            return orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise EngineProtocolError(f"The model engine answered {path} with invalid JSON.") from None
 
-    async def probe(self, within: float) -> str | None:
-        """One /health probe: None when healthy, else why not."""
-        if self._session is None:
-            return "gateway not started"
-        try:
+    async def health(self, within: float) -> int:
+        """The status of one GET /health; errors mapped by `engine_errors`."""
+        session = self._started()
+        with engine_errors(f"/health did not answer within {within:g} s.", self._retry_after):
             async with asyncio.timeout(within):
-                async with self._session.get(self._base_url + "/health", headers=self._auth_header) as response:
+                async with session.get(self._base_url + "/health", headers=self._auth_header) as response:
                     await response.read()
-                    return None if response.status == 200 else f"/health answered {response.status}"
-        except TimeoutError:
-            return f"/health did not answer within {within:g} s"
-        except aiohttp.ClientConnectorError:
-            return "connection refused"
-        except aiohttp.ClientError as exc:
-            return f"/health failed: {type(exc).__name__}"
+                    return response.status
+
+    async def generate(self, model: str, within: float) -> int:
+        """One tiny generation (POST /v1/completions, max_tokens 1): the status once the answer is read.
+
+        The liveness check that /health cannot give: a stopped engine core leaves /health answering 200.
+        """
+        session = self._started()
+        body = orjson.dumps({"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0})
+        headers = {
+            "Content-Type": "application/json",
+            "X-Request-Id": PROBE_ID_PREFIX + os.urandom(8).hex(),
+            **self._auth_header,
+        }
+        with engine_errors(f"the generation probe did not finish within {within:g} s.", self._retry_after):
+            async with asyncio.timeout(within):
+                async with session.post(self._base_url + "/v1/completions", data=body, headers=headers) as response:
+                    await response.read()
+                    return response.status
 
 
 def engine_error_body(status: int, body: bytes) -> bytes:

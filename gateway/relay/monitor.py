@@ -1,7 +1,17 @@
-"""EngineMonitor: the gateway's own cached view of the engine (health probe, served model, context length).
+"""EngineMonitor: the gateway's own cached view of the engine (ready or why not, served model, context length).
 
 Requests are refused with a fast 503 while the engine is known to be down, instead of each one
-waiting on a hung engine. Imports settings, errors, metrics, the model facts and the client.
+waiting on a hung engine. Readiness must not flap under load, and must mean "it generates":
+
+- down: a refused connection (also reported by the relay at once), or /health answering non-200;
+- stuck ("engine not generating"): a one-token generation probe failed, no progress was seen since
+  it started, and either nothing was in flight or requests waited `stall_timeout` seconds without a
+  chunk or answer. The requests in flight are then ended with an error;
+- never down for a late /health alone: a saturated engine answers /health late while it streams.
+
+Progress (chunks, answers) is what the relay records in `EngineActivity`; the generation probe runs
+only when the engine has been quiet for `probe_interval`. Imports settings, errors, metrics, the
+background-task helper and the relay's client, activity and model modules.
 """
 
 from __future__ import annotations
@@ -9,78 +19,174 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
-from gateway.errors import EngineUnavailableError, GatewayError
+from gateway.background import BackgroundTask
+from gateway.errors import EngineRefusedError, EngineUnavailableError, GatewayError
 from gateway.metrics import GatewayMetrics
+from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.model import ModelInfo
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+NOT_GENERATING = "engine not generating"
+
 
 class EngineMonitor:
-    """Probes the engine's /health on an interval and remembers what the engine serves."""
+    """Probes the engine on an interval, judges whether it generates, and remembers what it serves."""
 
-    def __init__(self, client: EngineClient, settings: Settings, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, client: EngineClient, settings: Settings, metrics: GatewayMetrics, activity: EngineActivity
+    ) -> None:
         self._client = client
         self._settings = settings
+        self._relay = settings.relay
         self._metrics = metrics
-        self._task: asyncio.Task[None] | None = None
-        self.down_reason: str | None = "not probed yet"
+        self._activity = activity
+        self._health_reason: str | None = "not probed yet"  # refused, non-200 /health, or the model unknown
+        self._stuck = False
+        self._probe_failed_since: float | None = None  # start of the last failed generation probe
+        self._generation_probe: asyncio.Task[None] | None = None
+        self._published: str | None = "not probed yet"
         self.model: ModelInfo | None = None
+        self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self.check)
 
     async def start(self) -> None:
         """Probe once now (so the first requests know), then keep probing in the background."""
         await self.check()
-        self._task = asyncio.create_task(self._run(), name="engine-monitor")
+        self._task.start()
 
     async def stop(self) -> None:
         """Stop probing."""
-        if self._task is not None:
-            self._task.cancel()
+        await self._task.stop()
+        probe, self._generation_probe = self._generation_probe, None
+        if probe is not None:
+            probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await probe
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.relay.probe_interval)
-            await self.check()
+    def ready_reason(self) -> str | None:
+        """None when the engine is ready, else a short reason ("connection refused"); cached, no I/O."""
+        if self._health_reason is not None:
+            return self._health_reason
+        if self._stuck:
+            return NOT_GENERATING
+        if self.model is None:
+            return "model unknown"
+        return None
 
-    async def check(self) -> str | None:
-        """Probe now; returns None when the engine is ready, else why not (also cached for requests)."""
-        reason = await self._client.probe(self._settings.relay.probe_timeout)
-        if reason is None and self.model is None:
-            try:
-                listing = await self._client.get_json("/v1/models", self._settings.relay.probe_timeout)
-                self.model = ModelInfo.from_listing(listing, self._settings)
-                logger.info("engine serves %r (context length %s)", self.model.name, self.model.context_length)
-            except GatewayError as exc:
-                reason = exc.message
-        self._set(reason)
-        return reason
+    @property
+    def down_reason(self) -> str | None:
+        """The same as `ready_reason()`."""
+        return self.ready_reason()
+
+    def require_ready(self) -> ModelInfo:
+        """The served model, or EngineUnavailableError (503 + Retry-After) while the engine is not ready."""
+        reason = self.ready_reason()
+        if reason is not None or self.model is None:
+            raise EngineUnavailableError(
+                f"The model engine is not ready ({reason or 'model unknown'}); retry shortly.",
+                retry_after=self._relay.retry_after,
+            )
+        return self.model
 
     def mark_down(self, reason: str) -> None:
-        """A request found the engine unreachable: refuse fast until the next probe succeeds."""
-        self._set(reason)
+        """A request found the engine unreachable (`reason`, short): refuse fast until /health answers 200."""
+        self._health_reason = reason
+        self._publish()
 
-    def _set(self, reason: str | None) -> None:
-        if reason != self.down_reason:
+    async def check(self) -> str | None:
+        """Probe /health now (learning the model once it is healthy), judge liveness; `ready_reason()`."""
+        self._health_reason = await self._probe_health()
+        if self._health_reason is None and self.model is None:
+            self._health_reason = await self._learn_model()
+        self._judge_liveness()
+        self._publish()
+        return self.ready_reason()
+
+    async def _probe_health(self) -> str | None:
+        try:
+            status = await self._client.health(self._relay.probe_timeout)
+        except EngineRefusedError:
+            return "connection refused"
+        except GatewayError as exc:
+            # Late or cut short: a busy engine does this too, so it decides nothing (liveness does).
+            logger.debug("engine /health inconclusive: %s", exc.message)
+            return self._health_reason
+        return None if status == 200 else f"/health answered {status}"
+
+    async def _learn_model(self) -> str | None:
+        try:
+            listing = await self._client.get_json("/v1/models", self._relay.probe_timeout)
+            self.model = ModelInfo.from_listing(listing, self._settings)
+        except GatewayError as exc:
+            logger.warning("engine model list unavailable: %s", exc.message)
+            return "model list unavailable"
+        logger.info("engine serves %r (context length %s)", self.model.name, self.model.context_length)
+        return None
+
+    def _judge_liveness(self) -> None:
+        """Start a generation probe when the engine has been quiet; decide whether it is stuck."""
+        if self._health_reason is not None or self.model is None:
+            self._stuck = False
+            self._probe_failed_since = None
+            return
+        activity = self._activity
+        quiet = activity.quiet_for()
+        if self._generation_probe is None and quiet >= self._relay.probe_interval:
+            self._generation_probe = asyncio.create_task(
+                self._probe_generation(self.model.name), name="engine-generation-probe"
+            )
+        failed_since = self._probe_failed_since
+        if failed_since is not None and activity.last_progress >= failed_since:
+            failed_since = self._probe_failed_since = None  # it generated after all
+        stuck = failed_since is not None and (activity.in_flight == 0 or quiet >= self._relay.stall_timeout)
+        if stuck and not self._stuck:
+            ended = activity.abort_all()
+            logger.warning(
+                "engine is not generating: no progress for %.1f s and a generation probe failed; "
+                "%d request(s) in flight ended",
+                quiet,
+                ended,
+            )
+        self._stuck = stuck
+
+    async def _probe_generation(self, model: str) -> None:
+        started = time.monotonic()
+        failure: str | None = None
+        try:
+            status = await self._client.generate(model, self._relay.generation_probe_timeout)
+            if status == 200:
+                self._activity.progress()
+            elif status >= 500:
+                failure = f"answered {status}"
+            else:  # the API server answered; this says nothing about generation either way
+                logger.warning("engine generation probe answered %d", status)
+        except EngineRefusedError:
+            self._generation_probe = None
+            self.mark_down("connection refused")
+            return
+        except GatewayError as exc:
+            failure = exc.message
+        finally:
+            self._generation_probe = None
+        if failure is not None and self._activity.last_progress < started:
+            logger.info("engine generation probe failed: %s", failure)
+            self._probe_failed_since = started
+        self._judge_liveness()
+        self._publish()
+
+    def _publish(self) -> None:
+        reason = self.ready_reason()
+        if reason != self._published:
             if reason is None:
                 logger.info("engine is ready")
             else:
                 logger.warning("engine is not ready: %s", reason)
-                # The engine may come back as another model or context length (a restart).
+            if self._health_reason is not None:
+                # Down, not merely stuck: it may come back as another model or context length (a restart).
                 self.model = None
-        self.down_reason = reason
+            self._published = reason
         self._metrics.engine_up.set(0 if reason else 1)
-
-    def require_ready(self) -> ModelInfo:
-        """The served model, or EngineUnavailableError (503 + Retry-After) while the engine is down."""
-        if self.down_reason is not None or self.model is None:
-            raise EngineUnavailableError(
-                f"The model engine is not ready ({self.down_reason or 'model unknown'}); retry shortly.",
-                retry_after=self._settings.relay.retry_after,
-            )
-        return self.model

@@ -2,8 +2,10 @@
 
 Bytes pass through unparsed; only a line carrying a `"usage": {...}` object is read (for accounting)
 and, when the client did not ask for usage, dropped. Silence is filled with SSE comments; a stream
-that breaks or freezes ends with one OpenAI-shaped error event. Speaks raw ASGI; imports no web
-framework.
+that breaks or freezes ends with one OpenAI-shaped error event. Every chunk is recorded as engine
+progress (one timestamp) for the engine monitor, which can also end the stream when it finds the
+engine stuck. Speaks raw ASGI; imports no web framework and no HTTP client (the engine's bytes come
+through `UpstreamResponse.read_chunk`, errors already mapped).
 """
 
 from __future__ import annotations
@@ -12,24 +14,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 
 from gateway.errors import EngineTimeoutError, EngineUnavailableError, GatewayError
 from gateway.metrics import GatewayMetrics
+from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
-from gateway.requestlog import RequestRecord
+from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
+from gateway.types import Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 T = TypeVar("T")
+__all__ = ["KEEP_ALIVE", "ClientDisconnectedError", "Message", "Receive", "SSERelay", "Send", "run_until_disconnect"]
 
 KEEP_ALIVE = b": keep-alive\n\n"
 _DONE = b"data: [DONE]"
@@ -81,36 +82,53 @@ def error_event(error: GatewayError) -> bytes:
 
 class _SilenceAlarm:
     """One timer per stream that interrupts a read silent for `heartbeat` (a keep-alive is due) or
-    `chunk_timeout` (the engine froze) seconds.
+    `chunk_timeout` (the engine froze) seconds, or at once when the engine monitor finds the engine stuck.
 
     An `asyncio.timeout` around every read cost ~10 µs a chunk; here a chunk only stores the time.
     The alarm cancels the pump only while it waits on the engine (`reading`), never mid-send.
     """
 
-    def __init__(self, task: asyncio.Task[Any], heartbeat: float, chunk_timeout: float) -> None:
+    def __init__(
+        self, task: asyncio.Task[Any], heartbeat: float, chunk_timeout: float, activity: EngineActivity | None
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._task = task
         self._heartbeat = heartbeat
         self._chunk_timeout = chunk_timeout
+        self._activity = activity
         self._last_data = self._last_beat = self._loop.time()
+        self._frozen = False
         self.reading = False
         self.fired: str | None = None
-        self._handle = self._loop.call_at(self._due(), self._check)
+        self._handle: asyncio.Handle = self._loop.call_at(self._due(), self._check)
 
     def _due(self) -> float:
         return min(max(self._last_data, self._last_beat) + self._heartbeat, self._last_data + self._chunk_timeout)
 
     def _check(self) -> None:
         now, due = self._loop.time(), self._due()
+        if self._frozen:
+            due = now
         if now < due or not self.reading:
             self._handle = self._loop.call_at(max(due, now + 0.05), self._check)
             return
-        self.fired = "timeout" if now - self._last_data >= self._chunk_timeout else "heartbeat"
+        if self._frozen:
+            self.fired = "frozen"
+        else:
+            self.fired = "timeout" if now - self._last_data >= self._chunk_timeout else "heartbeat"
         self._task.cancel()
 
     def data(self) -> None:
-        """A chunk arrived."""
+        """A chunk arrived: the stream is alive, and so is the engine."""
         self._last_data = self._loop.time()
+        if self._activity is not None:
+            self._activity.progress()
+
+    def freeze(self) -> None:
+        """The engine is stuck: interrupt the next (or current) read."""
+        self._frozen = True
+        self._handle.cancel()
+        self._handle = self._loop.call_soon(self._check)
 
     def take(self) -> str | None:
         """What fired (and clear it)."""
@@ -140,6 +158,7 @@ class SSERelay:
         strip_usage: bool,
         headers: Iterable[tuple[bytes, bytes]] = (),
         on_finish: Callable[[], Awaitable[None]] | None = None,
+        activity: EngineActivity | None = None,
     ) -> None:
         self._upstream = upstream
         self._record = record
@@ -149,10 +168,15 @@ class SSERelay:
         self._headers = [*SSE_HEADERS, *headers]
         self._saw_done = False
         self._on_finish = on_finish
+        self._activity = activity
+        self._alarm: _SilenceAlarm | None = None
+        self._frozen = False
 
-    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self._upstream.status, "headers": self._headers})
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._activity is not None:
+            self._activity.begin(self)
         try:
+            await send({"type": "http.response.start", "status": self._upstream.status, "headers": self._headers})
             await run_until_disconnect(receive, self._pump(send))
         except ClientDisconnectedError:
             # A client that hangs up right after `[DONE]` got its whole answer.
@@ -160,42 +184,48 @@ class SSERelay:
                 self._record.client_disconnected = True
                 self._metrics.client_disconnects.labels("stream").inc()
         finally:
+            if self._activity is not None:
+                self._activity.end(self)
             self._upstream.close()
             await self._finish()
 
+    def abort_frozen(self) -> None:
+        """The engine monitor found the engine stuck: end this stream with an error event."""
+        self._frozen = True
+        if self._alarm is not None:
+            self._alarm.freeze()
+
     async def _pump(self, send: Send) -> None:
-        content = self._upstream.content
+        upstream = self._upstream
         task = asyncio.current_task()
         assert task is not None
-        alarm = _SilenceAlarm(task, self._settings.heartbeat_interval, self._settings.chunk_timeout)
+        alarm = self._alarm = _SilenceAlarm(
+            task, self._settings.heartbeat_interval, self._settings.chunk_timeout, self._activity
+        )
+        if self._frozen:
+            alarm.freeze()
         carry = b""
         try:
             while True:
                 alarm.reading = True
                 try:
-                    chunk = await content.readany()
+                    chunk = await upstream.read_chunk()
                 except asyncio.CancelledError:
                     # Our own alarm interrupted the read; any other cancellation goes on.
                     if alarm.fired is None or task.cancelling() > 1:
                         raise
                     task.uncancel()
-                    if alarm.take() == "timeout":
-                        await self._fail(
-                            send,
-                            "timeout",
-                            EngineTimeoutError(
-                                f"The model engine sent nothing for {self._settings.chunk_timeout:g} s; "
-                                "the stream was ended."
-                            ),
-                        )
-                        return
-                    await send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
-                    alarm.beat()
-                    continue
-                except aiohttp.ClientError:
+                    fired = alarm.take()
+                    if fired == "heartbeat":
+                        await send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
+                        alarm.beat()
+                        continue
+                    await self._fail(send, *self._silence_error(fired))
+                    return
+                except GatewayError:
                     await self._fail(
                         send,
-                        "stream_broken",
+                        EngineErrorKind.MID_STREAM,
                         EngineUnavailableError(
                             "The model engine stopped in the middle of the stream; the answer is incomplete."
                         ),
@@ -230,13 +260,23 @@ class SSERelay:
         if not self._saw_done:
             await self._fail(
                 send,
-                "stream_broken",
+                EngineErrorKind.MID_STREAM,
                 EngineUnavailableError(
                     "The model engine ended the stream without finishing it; the answer is incomplete."
                 ),
             )
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _silence_error(self, fired: str | None) -> tuple[EngineErrorKind, GatewayError]:
+        if fired == "frozen":
+            return EngineErrorKind.FROZEN, EngineUnavailableError(
+                "The model engine stopped generating; the stream was ended and the answer is incomplete.",
+                retry_after=self._settings.retry_after,
+            )
+        return EngineErrorKind.TIMEOUT, EngineTimeoutError(
+            f"The model engine sent nothing for {self._settings.chunk_timeout:g} s; the stream was ended."
+        )
 
     async def _finish(self) -> None:
         """Run `on_finish` once (releases the key's concurrency slot and settles its tokens)."""
@@ -269,8 +309,8 @@ class SSERelay:
             kept.append(line)
         return b"\n".join(kept)
 
-    async def _fail(self, send: Send, kind: str, error: GatewayError) -> None:
+    async def _fail(self, send: Send, kind: EngineErrorKind, error: GatewayError) -> None:
+        # Counted by whoever settles the exchange (`on_finish`), from the record: one place for every kind.
         self._record.engine_error = kind
-        self._metrics.engine_errors.labels(kind).inc()
         logger.warning("stream %s ended early: %s", self._record.request_id, error.message)
         await send({"type": "http.response.body", "body": error_event(error), "more_body": False})

@@ -206,8 +206,9 @@ def test_body_over_the_limit_is_413(client: openai.OpenAI, base_url: str) -> Non
 )
 def test_other_engine_paths_are_never_proxied(base_url: str, engine: FakeEngineControl, method: str, path: str) -> None:
     response = httpx.request(method, f"{base_url}{path}", json={"model": MODEL}, timeout=5)
-    assert response.status_code == 404
-    assert response.json()["error"]["code"] == "unknown_url"
+    # Any other path is a 404; a served path asked with another method may be a 405. OpenAI's envelope both.
+    allowed = {(404, "unknown_url"), (405, "method_not_allowed")} if path == "/v1/chat/completions" else set()
+    assert (response.status_code, response.json()["error"]["code"]) in {(404, "unknown_url"), *allowed}
     assert engine.requests() == []
 
 
@@ -323,10 +324,11 @@ def test_request_id_is_kept_passed_on_and_returned(base_url: str, engine: FakeEn
         f"{base_url}/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-ID": "req-abc.123"}
     )
     assert response.headers["x-request-id"] == "req-abc.123"
-    assert engine.requests()[-1]["request_id"] == "req-abc.123"
+    # The engine sees the client's id with a suffix of its own (two clients may send the same id).
+    assert engine.requests()[-1]["request_id"].startswith("req-abc.123-")
     generated = httpx.post(f"{base_url}/v1/chat/completions", json=chat(max_tokens=1))
     assert len(generated.headers["x-request-id"]) == 32
-    assert engine.requests()[-1]["request_id"] == generated.headers["x-request-id"]
+    assert engine.requests()[-1]["request_id"].startswith(generated.headers["x-request-id"] + "-")
     unsafe = httpx.post(
         f"{base_url}/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-ID": "a b\t<x>"}
     )

@@ -11,10 +11,12 @@ import orjson
 import pytest
 
 from gateway.metrics import GatewayMetrics
+from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
-from gateway.relay.sse import KEEP_ALIVE, ClientDisconnectedError, Message, SSERelay, run_until_disconnect
-from gateway.requestlog import RequestRecord
+from gateway.relay.sse import KEEP_ALIVE, ClientDisconnectedError, SSERelay, run_until_disconnect
+from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
+from gateway.types import Message
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -58,10 +60,13 @@ class FakeContent:
         return item
 
 
-class FakeUpstream:
+class FakeResponse:
+    """Stands in for aiohttp's ClientResponse under a real UpstreamResponse (so its error mapping runs)."""
+
     def __init__(self, content: FakeContent, status: int = 200) -> None:
         self.status = status
         self.content = content
+        self.headers: dict[str, str] = {}
         self.close_calls = 0
 
     def close(self) -> None:
@@ -97,12 +102,18 @@ class Harness:
     def __init__(self, items: Iterable[bytes | BaseException] = (), *, strip_usage: bool = True, **relay: Any) -> None:
         self.client = Client()
         self.content = FakeContent(items)
-        self.upstream = FakeUpstream(self.content)
+        self.upstream = FakeResponse(self.content)
         self.record = RequestRecord(request_id="req-1", started_at=0.0)
         self.metrics = GatewayMetrics()
+        self.activity = EngineActivity()
         settings = RelaySettings(**{"heartbeat_interval": 5.0, "chunk_timeout": 5.0, **relay})
         self.relay = SSERelay(
-            cast(UpstreamResponse, self.upstream), self.record, settings, self.metrics, strip_usage=strip_usage
+            UpstreamResponse(cast(aiohttp.ClientResponse, self.upstream)),
+            self.record,
+            settings,
+            self.metrics,
+            strip_usage=strip_usage,
+            activity=self.activity,
         )
 
     async def run(self) -> None:
@@ -209,8 +220,7 @@ async def test_stream_without_done_ends_with_one_error_event() -> None:
     error = error_of(bodies[-1])
     assert error["code"] == "engine_unavailable"
     assert "incomplete" in error["message"]
-    assert h.record.engine_error == "stream_broken"
-    assert h.sample("nemotron_gateway_engine_errors_total", {"kind": "stream_broken"}) == 1.0
+    assert h.record.engine_error is EngineErrorKind.MID_STREAM
 
 
 async def test_payload_error_mid_stream_ends_with_error_event_and_closes_upstream() -> None:
@@ -223,7 +233,7 @@ async def test_payload_error_mid_stream_ends_with_error_event_and_closes_upstrea
     assert error["code"] == "engine_unavailable"
     assert error["type"] == "service_unavailable"
     assert h.upstream.close_calls == 1
-    assert h.record.engine_error == "stream_broken"
+    assert h.record.engine_error is EngineErrorKind.MID_STREAM
 
 
 async def test_heartbeat_fills_silence_before_the_first_data() -> None:
@@ -260,9 +270,52 @@ async def test_silent_engine_is_cut_at_chunk_timeout_with_engine_timeout_event()
     error = error_of(bodies[-1])
     assert error["code"] == "engine_timeout"
     assert error["type"] == "service_unavailable"
-    assert h.record.engine_error == "timeout"
+    assert h.record.engine_error is EngineErrorKind.TIMEOUT
     assert h.upstream.close_calls == 1
-    assert h.sample("nemotron_gateway_engine_errors_total", {"kind": "timeout"}) == 1.0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [aiohttp.ServerDisconnectedError(), aiohttp.ClientOSError(104, "reset"), aiohttp.ClientResponseError(None, ())],  # type: ignore[arg-type]  # no request info in a unit test
+)
+async def test_any_engine_error_mid_stream_is_one_mid_stream_event(error: BaseException) -> None:
+    h = Harness([delta("a"), error])
+    await h.run()
+    assert error_of(h.client.bodies[-1])["code"] == "engine_unavailable"
+    assert h.record.engine_error is EngineErrorKind.MID_STREAM
+
+
+async def test_every_chunk_is_engine_progress_and_the_stream_is_in_flight_until_it_ends() -> None:
+    h = Harness()
+    h.activity.last_progress = 0.0
+    task = asyncio.create_task(h.run())
+    await h.client.sent.wait()  # the start message
+    assert h.activity.in_flight == 1
+    assert h.activity.last_progress == 0.0, "headers alone are no proof that the engine generates"
+    h.client.sent.clear()
+    h.content.feed(delta("a"))
+    await h.client.sent.wait()
+    assert h.activity.last_progress > 0.0
+    h.content.feed(DONE)
+    h.content.feed(b"")
+    await asyncio.wait_for(task, 1.0)
+    assert h.activity.in_flight == 0
+
+
+async def test_a_stuck_engine_ends_the_stream_with_one_error_event_at_once() -> None:
+    h = Harness([delta("a")], heartbeat_interval=5.0, chunk_timeout=5.0)
+    task = asyncio.create_task(h.run())
+    await h.client.sent.wait()
+    h.client.sent.clear()
+    await h.client.sent.wait()  # the first body; the relay now waits on the engine
+    assert h.activity.abort_all() == 1  # what the engine monitor does when it finds the engine stuck
+    await asyncio.wait_for(task, 1.0)
+    bodies = h.client.bodies
+    assert [m["body"] for m in bodies[:-1]] == [delta("a")]
+    error = error_of(bodies[-1])
+    assert error["code"] == "engine_unavailable" and "stopped generating" in error["message"]
+    assert h.record.engine_error is EngineErrorKind.FROZEN
+    assert h.upstream.close_calls == 1
 
 
 async def test_client_disconnect_closes_upstream_and_is_recorded() -> None:

@@ -1,0 +1,233 @@
+"""EngineRelay: one request's exchange with the engine, from the first byte sent to the lease settled.
+
+The route hands over a validated body and a way to settle the key's token charge; the relay opens
+the engine request (under a unique engine-side request id), reads the answer or hands the stream to
+`SSERelay`, records progress for the monitor, marks the engine down on a refused connection, counts
+every engine failure by kind (`nemotron_gateway_engine_errors_total`) and settles the charge exactly
+once, on every path. Answers are ASGI apps (`BufferedAnswer`, `SSERelay`), so no web framework is
+imported. Imports settings, errors, metrics, the request record and the relay's own modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+
+import orjson
+
+from gateway.errors import (
+    EngineConnectionLostError,
+    EngineProtocolError,
+    EngineRefusedError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    GatewayError,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.relay.activity import EngineActivity
+from gateway.relay.client import EngineClient, UpstreamResponse, engine_error_body
+from gateway.relay.monitor import EngineMonitor
+from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
+from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.settings import Settings
+from gateway.types import ASGIApp, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+# Settles a key's token charge: the tokens the engine reported, 0 to refund, None to keep the estimate.
+Settle = Callable[[int | None], Awaitable[None]]
+CLIENT_CLOSED_REQUEST = 499
+
+_KIND_OF_ERROR: tuple[tuple[type[GatewayError], EngineErrorKind], ...] = (
+    (EngineRefusedError, EngineErrorKind.REFUSED),
+    (EngineConnectionLostError, EngineErrorKind.CONNECTION_LOST),
+    (EngineTimeoutError, EngineErrorKind.TIMEOUT),
+    (EngineProtocolError, EngineErrorKind.PROTOCOL),
+)
+
+
+def error_kind(error: GatewayError) -> EngineErrorKind | None:
+    """The kind of an engine failure raised by the client; None for errors that are not the engine's."""
+    for error_type, kind in _KIND_OF_ERROR:
+        if isinstance(error, error_type):
+            return kind
+    return None
+
+
+class BufferedAnswer:
+    """A complete answer (the engine's JSON, or an empty 499) as a minimal ASGI response."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, body: bytes, content_type: str | None, headers: Mapping[str, str]) -> None:
+        self.status = status
+        self.body = body
+        raw = [(b"content-length", str(len(body)).encode())]
+        if content_type is not None:
+            raw.append((b"content-type", content_type.encode("latin-1")))
+        raw += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        self.headers = raw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
+
+
+class _Waiter:
+    """An exchange waiting for the engine's answer; the monitor ends it (by cancelling) when the engine is stuck."""
+
+    __slots__ = ("_task", "frozen")
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.frozen = False
+
+    def abort_frozen(self) -> None:
+        self.frozen = True
+        self._task.cancel()
+
+
+class EngineRelay:
+    """Runs the exchange of one completion request with the engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        monitor: EngineMonitor,
+        activity: EngineActivity,
+        settings: Settings,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._client = client
+        self._monitor = monitor
+        self._activity = activity
+        self._settings = settings
+        self._metrics = metrics
+        # Labelled children looked up once, not per request.
+        self._errors = {kind: metrics.engine_errors.labels(kind.value) for kind in EngineErrorKind}
+
+    async def forward(
+        self,
+        path: str,
+        body: bytes,
+        record: RequestRecord,
+        receive: Receive,
+        *,
+        stream: bool,
+        strip_usage: bool,
+        headers: Mapping[str, str],
+        settle: Settle | None,
+    ) -> ASGIApp:
+        """POST `body` to the engine's `path`: the answer as an ASGI app, or a GatewayError (5xx).
+
+        `settle` runs exactly once: when the answer is read, when the stream ends, or on the error.
+        `headers` (the key's rate-limit headers) go on the answer.
+        """
+        try:
+            exchange = self._open_and_read(path, body, record, read_body=not stream)
+            upstream, answer = await run_until_disconnect(receive, exchange)
+        except ClientDisconnectedError:
+            record.client_disconnected = True
+            self._metrics.client_disconnects.labels("non_stream").inc()
+            await self._finish(record, settle)
+            return BufferedAnswer(CLIENT_CLOSED_REQUEST, b"", None, {})
+        except BaseException:
+            await self._finish(record, settle)
+            raise
+        if upstream.status != 200:
+            record.engine_error = EngineErrorKind.ERROR_STATUS
+            await self._finish(record, settle)
+            error_body = engine_error_body(upstream.status, answer or b"")
+            return BufferedAnswer(upstream.status, error_body, "application/json", headers)
+        if answer is not None:
+            return await self._answered(upstream, answer, record, headers, settle)
+
+        async def finished() -> None:
+            await self._finish(record, settle)
+
+        return SSERelay(
+            upstream,
+            record,
+            self._settings.relay,
+            self._metrics,
+            strip_usage=strip_usage,
+            headers=[(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
+            on_finish=finished,
+            activity=self._activity,
+        )
+
+    async def _answered(
+        self,
+        upstream: UpstreamResponse,
+        answer: bytes,
+        record: RequestRecord,
+        headers: Mapping[str, str],
+        settle: Settle | None,
+    ) -> BufferedAnswer:
+        self._activity.progress()
+        try:
+            parsed = orjson.loads(answer)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            record.take_usage(parsed.get("usage"))
+        await self._finish(record, settle)
+        return BufferedAnswer(200, answer, upstream.content_type, headers)
+
+    async def _open_and_read(
+        self, path: str, body: bytes, record: RequestRecord, *, read_body: bool
+    ) -> tuple[UpstreamResponse, bytes | None]:
+        """Open the engine request and read its whole body (unless it is a stream that started well).
+
+        Engine failures are recorded on `record` by kind; a refused connection also marks the engine down.
+        """
+        # The client's id stays the client's (echoed to it, logged); the engine gets one no one else can send.
+        record.engine_request_id = f"{record.request_id}-{os.urandom(4).hex()}"
+        waiter = _Waiter()
+        self._activity.begin(waiter)
+        try:
+            upstream = await self._client.open(path, body, record.engine_request_id)
+            if not read_body and upstream.status == 200:
+                return upstream, None
+            return upstream, await self._client.read_body(upstream)
+        except GatewayError as exc:
+            record.engine_error = error_kind(exc)
+            if record.engine_error is EngineErrorKind.REFUSED:
+                self._monitor.mark_down("connection refused")
+            logger.warning(
+                "engine request %s (client id %s) failed: %s", record.engine_request_id, record.request_id, exc.message
+            )
+            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not waiter.frozen or task is None or task.uncancel() > 0:
+                raise
+            record.engine_error = EngineErrorKind.FROZEN
+            raise EngineUnavailableError(
+                "The model engine stopped generating; the request was ended. Retry shortly.",
+                retry_after=self._settings.relay.retry_after,
+            ) from None
+        finally:
+            self._activity.end(waiter)
+
+    async def _finish(self, record: RequestRecord, settle: Settle | None) -> None:
+        """Count the engine failure, if any, and settle the token charge (called once per exchange).
+
+        Unknown usage keeps the estimate when the engine may have worked (a timeout after it took the
+        request, a stream cut short, a client gone) and is refunded when it surely did not (a refused
+        connection, an error answer, a failure before the request was sent).
+        """
+        kind = record.engine_error
+        if kind is not None:
+            self._errors[kind].inc()
+        if settle is None:
+            return
+        used = record.total_tokens
+        sent = record.engine_request_id is not None
+        if used is None and (not sent or (kind is not None and not kind.engine_worked)):
+            used = 0
+        await settle(used)
