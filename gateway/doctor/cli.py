@@ -11,11 +11,20 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from gateway.doctor.report import exit_code, render_json, render_table
 from gateway.doctor.runner import doctor_config, run_checks
 from gateway.settings import Settings
 from gateway.supervisor.profiles import ProfileError, load_profiles, select_profile
+
+# In the supervisor's state dir: the settings `make run` (scripts/run) started the stack with, and the
+# supervisor's status file (supervisor/cli.py writes it under the same name).
+RUN_ENV = "run.env"
+STATUS_FILE = "engine.json"
 
 
 def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -25,7 +34,7 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "--model", help="model directory or hub id (default NEMOTRON_ENGINE__MODEL; model rows skipped without one)"
     )
     parser.add_argument("--tokenizer", help="tokenizer directory or hub id, where it differs from the model")
-    parser.add_argument("--chat-template", type=Path, help="the chat template file the engine will be given")
+    parser.add_argument("--chat-template", help="the chat template the engine will be given (a file, or inline)")
     parser.add_argument("--max-model-len", type=int, help="context length to serve (default: the profile's)")
     parser.add_argument(
         "--gpu-memory-utilization", type=float, help="share of GPU memory vLLM takes (default: the profile's)"
@@ -38,8 +47,34 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     return parser
 
 
+def running_settings(args: argparse.Namespace, settings: Settings) -> tuple[Settings, Path | None]:
+    """The settings of the stack `make run` started (its env file in the state dir), when no --env-file is given.
+
+    Without them a hand-run doctor would check the default profile, Redis URL and model instead of the running
+    ones. The doctor's own flags still win, as they do over any env file.
+    """
+    run_env = settings.engine.state_dir / RUN_ENV
+    if getattr(args, "env_file", None) is not None or not run_env.is_file():
+        return settings, None
+    engine = {"model": args.model, "profile": args.profile, "port": args.engine_port}
+    top = {name: getattr(args, name, None) for name in ("redis_url", "log_level")}
+    overrides: dict[str, Any] = {k: v for k, v in top.items() if v is not None}
+    if given := {k: v for k, v in engine.items() if v is not None}:
+        overrides["engine"] = given
+    return Settings(_env_file=run_env, **overrides), run_env
+
+
 def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
     """Run every check for the configured engine (flags override), write the table or JSON, return the exit code."""
+    try:
+        settings, run_env = running_settings(args, settings)
+    except (ValidationError, SettingsError) as exc:
+        sys.stderr.write(
+            f"nemotron-gateway doctor: invalid settings in {settings.engine.state_dir / RUN_ENV}:\n{exc}\n"
+        )
+        return 2
+    if run_env is not None:
+        sys.stderr.write(f"nemotron-gateway doctor: checking the running stack's settings from {run_env}\n")
     if args.profile is not None:
         settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"profile": args.profile})})
     try:
@@ -49,6 +84,7 @@ def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     config = replace(
         doctor_config(settings, profile),
+        engine_status_file=settings.engine.state_dir / STATUS_FILE,
         **{
             name: value
             for name, value in {

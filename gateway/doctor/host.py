@@ -1,7 +1,7 @@
 """Host preflight checks: cgroup limits, open files, disk for the model cache, proxies, Redis, the engine port.
 
 Each `check_*` takes plain values (tests feed them); the `read_*`/`probe_*` functions measure this machine.
-Imports only `check` of ours.
+Imports `check`, `rows` and `ports` of ours.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import redis
 
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, warned
+from gateway.doctor.ports import PortOwner
 
 MIN_OPEN_FILES = 65_536
 MIN_CACHE_DISK = 15 * 10**9  # bytes: a quantised 8B model plus vLLM's compile caches
@@ -146,11 +147,13 @@ def check_redis(where: str, error: str | None) -> Check:
     return failed(row, f"{where}: {error}", fix)
 
 
-def check_engine_port(host: str, port: int, error: str | None) -> Check:
-    """vLLM exits after ~23 s when its port is taken (fatal)."""
+def check_engine_port(host: str, port: int, error: str | None, owner: PortOwner | None = None) -> Check:
+    """vLLM exits after ~23 s when its port is taken (fatal); taken by our own running engine, the port is fine."""
     row = rows.ENGINE_PORT
     if error is None:
         return passed(row, f"{host}:{port} free")
+    if owner is not None:
+        return passed(row, f"{host}:{port} held by the running engine (pid {owner.pid}, {owner.state})")
     fix = f"stop what listens there (`ss -ltnp 'sport = :{port}'`) or choose another --engine-port"
     return failed(row, f"{host}:{port} in use ({error})", fix)
 

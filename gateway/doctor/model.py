@@ -1,14 +1,16 @@
 """Model-directory preflight checks: weights, config, tokenizer, chat template, BOS, rope_theta, context length.
 
 Reads config.json and tokenizer_config.json as JSON (no transformers import). The derived context length
-follows vLLM's `_get_and_verify_max_len`. Imports only `check` of ours.
+follows vLLM's `_get_and_verify_max_len`. What the directory must hold depends on the engine's flags:
+`--load-format dummy` reads no weights, `--hf-overrides` changes the config vLLM sees, `--quantization` needs a
+checkpoint of that scheme. Imports only `check` and `rows` of ours.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,17 @@ _UNSCALED_ROPE = ("su", "longrope", "llama3")
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 _ROPE_THETA_RANGE = (1e3, 1e8)  # 10000 (Llama 2, Nemotron-4) .. 5e5 (Llama 3.1 Nemotron) .. 1e7 seen in long-context
+# Load formats that read one kind of weight file only; `dummy` reads none (random weights, as benchmarks use).
+_FORMAT_GLOBS = {"safetensors": ("*.safetensors",), "pt": ("*.bin", "*.pt")}
+_DUMMY = "dummy"
+# Quantization schemes vLLM reads from the checkpoint (config.json's quantization_config, or one of these files);
+# other methods (fp8, bitsandbytes, ...) quantize an unquantized checkpoint while loading.
+_CHECKPOINT_SCHEMES = frozenset(("awq", "gptq", "modelopt"))
+_QUANT_CONFIG_FILES = ("quant_config.json", "quantize_config.json", "hf_quant_config.json")
+_SCHEME_ALIASES = {"marlin": "gptq", "auto": "gptq"}  # marlin kernels serve GPTQ checkpoints; auto-gptq writes "auto"
+# Kernels vLLM may pick for checkpoints of several schemes: no mismatch can be told from the names.
+_ANY_SCHEME = frozenset(("moe_wna16", "inc", "humming"))
+_JINJA_CHARS = "{}\n"  # vLLM takes a --chat-template holding any of these as the template itself
 
 
 @dataclass(frozen=True)
@@ -97,10 +110,16 @@ def derived_max_len(config: Mapping[str, Any], tokenizer_config: Mapping[str, An
     return int(derived)
 
 
-def _weights(path: Path) -> Check:
+def _weights(path: Path, load_format: str | None) -> Check:
     row = rows.MODEL_DIRECTORY
-    weights = [p for glob in _WEIGHT_GLOBS for p in path.glob(glob)]
+    if load_format == _DUMMY:
+        return passed(row, f"{path}: no weights read (--load-format dummy: random weights)")
+    globs = _FORMAT_GLOBS.get(load_format or "", _WEIGHT_GLOBS)
+    weights = [p for glob in globs for p in path.glob(glob)]
     if not weights:
+        if load_format in _FORMAT_GLOBS:
+            measured = f"{path}: no {', '.join(globs)} files for --load-format {load_format}"
+            return failed(row, measured, "finish the download, or drop --load-format")
         return failed(row, f"{path}: no weight files (*.safetensors, *.bin)", "finish the download")
     index = _load_json(path / "model.safetensors.index.json")
     shards = set(index.get("weight_map", {}).values()) if index else set()
@@ -111,6 +130,64 @@ def _weights(path: Path) -> Check:
     total = (index or {}).get("metadata", {}).get("total_size")
     size = total if isinstance(total, int) else sum(p.stat().st_size for p in weights if p.exists())
     return passed(row, f"{path}: {len(weights)} weight file(s), {gib(size)}")
+
+
+def apply_overrides(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json as vLLM sees it with `--hf-overrides`: a key replaces the config's value, except that a nested
+    model config (text_config, llm_config, ...) is updated key by key."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        nested = key.endswith("_config") and key != "quantization_config"
+        if nested and isinstance(current, dict) and isinstance(value, dict):
+            merged[key] = apply_overrides(current, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _scheme(method: str) -> str:
+    family = method.lower().replace("-", "_").split("_")[0]
+    return _SCHEME_ALIASES.get(family, family)
+
+
+def _checkpoint_scheme(config: Mapping[str, Any]) -> str | None:
+    """The quantization scheme the checkpoint declares (config.json or its text_config), as vLLM reads it."""
+    text = config.get("text_config")
+    for holder in (config, text if isinstance(text, dict) else {}):
+        for key in ("quantization_config", "compression_config"):
+            found = holder.get(key)
+            if isinstance(found, dict) and found.get("quant_method"):
+                return str(found["quant_method"])
+    return None
+
+
+def _model_config(path: Path, config: Mapping[str, Any], flags: ModelFlags) -> Check:
+    """config.json parsed; with --quantization, the checkpoint must be of that scheme (vLLM refuses otherwise)."""
+    row = rows.MODEL_CONFIG
+    measured = f"{config.get('model_type', '?')}: {config.get('architectures')}"
+    if flags.hf_overrides_error is not None:
+        fix = "pass --hf-overrides a JSON object, e.g. '{\"rope_theta\": 10000}'"
+        return failed(row, f"{measured}; {flags.hf_overrides_error}", fix)
+    if flags.hf_overrides:
+        measured += f"; --hf-overrides {', '.join(sorted(flags.hf_overrides))}"
+    method = flags.quantization
+    if method is None:
+        return passed(row, measured)
+    declared = _checkpoint_scheme(config)
+    if declared is not None:
+        measured += f"; --quantization {method} on a {declared} checkpoint"
+        if method in _ANY_SCHEME or _scheme(method) == _scheme(declared):
+            return passed(row, measured)
+        fix = f"drop --quantization (vLLM reads {declared} from config.json), or serve a {method} checkpoint"
+        return failed(row, measured, fix)
+    files = [f.name for f in path.glob("*.json") if f.name.endswith(_QUANT_CONFIG_FILES)]
+    from_overrides = any(k in flags.hf_overrides for k in ("quantization_config_file", "quantization_config_dict_json"))
+    if _scheme(method) in _CHECKPOINT_SCHEMES and not files and not from_overrides:
+        measured += f"; --quantization {method}, but the checkpoint is not quantized (no quantization_config)"
+        fix = f"point --model at a {method} checkpoint, or use a profile without --quantization (awq sets it)"
+        return failed(row, measured, fix)
+    return passed(row, f"{measured}; --quantization {method}" + (f" ({files[0]})" if files else ""))
 
 
 def _tokenizer(files: _Files) -> Check:
@@ -144,13 +221,15 @@ def chat_template_text(tokenizer_dir: Path, tokenizer_config: Mapping[str, Any])
 
 
 def _chat_template(
-    tokenizer_dir: Path, tokenizer_config: Mapping[str, Any], override: Path | None
+    tokenizer_dir: Path, tokenizer_config: Mapping[str, Any], override: str | Path | None
 ) -> tuple[Check, str | None]:
     row = rows.CHAT_TEMPLATE
     if override is not None:
         try:
-            text = override.read_text()
+            text = Path(override).read_text()
         except OSError as exc:
+            if isinstance(override, str) and any(c in override for c in _JINJA_CHARS):
+                return passed(row, f"given inline to --chat-template ({len(override)} characters)"), override
             return failed(row, f"--chat-template {override}: {exc.strerror}", "pass an existing file"), None
         return passed(row, f"{override} ({len(text)} characters)"), text
     found = chat_template_text(tokenizer_dir, tokenizer_config)
@@ -227,15 +306,21 @@ def check_context_length(derived: int | None, max_model_len: int | None) -> Chec
     return passed(row, measured)
 
 
-def check_model_dir(
-    path: Path | None,
-    max_model_len: int | None,
-    *,
-    tokenizer_dir: Path | None = None,
-    chat_template: Path | None = None,
-    model: str = "",
-) -> list[Check]:
-    """Every model-directory check; `path` None means a hub id that is not downloaded yet."""
+@dataclass(frozen=True)
+class ModelFlags:
+    """The engine flags that change what the model directory must hold (see `flags.EngineFlags`)."""
+
+    max_model_len: int | None = None
+    tokenizer_dir: Path | None = None  # --tokenizer, resolved; None: the model directory
+    chat_template: str | Path | None = None  # --chat-template: a file, or the template itself
+    load_format: str | None = None
+    quantization: str | None = None
+    hf_overrides: Mapping[str, Any] = field(default_factory=dict)
+    hf_overrides_error: str | None = None
+
+
+def check_model_dir(path: Path | None, flags: ModelFlags, *, model: str = "") -> list[Check]:
+    """Every model-directory check; `path` None means a hub id (`model`) that is not downloaded yet."""
     rest = rows.MODEL_ROWS[1:]
     if path is None:
         fix = "vLLM downloads it at first start (needs network: see the proxy row); or download it beforehand"
@@ -249,17 +334,18 @@ def check_model_dir(
             failed(rows.MODEL_DIRECTORY, f"{path}: no such directory", fix),
             *(skipped(r, "no model directory") for r in rest),
         ]
-    checks = [_weights(path)]
-    config = _load_json(path / "config.json")
-    if config is None:
+    checks = [_weights(path, flags.load_format)]
+    stored = _load_json(path / "config.json")
+    if stored is None:
         what = "unreadable" if (path / "config.json").exists() else "missing"
         checks.append(failed(rows.MODEL_CONFIG, f"config.json {what}", "copy config.json from the model repo"))
         return [*checks, *(skipped(r, "no config.json") for r in rest[1:])]
-    checks.append(passed(rows.MODEL_CONFIG, f"{config.get('model_type', '?')}: {config.get('architectures')}"))
-    where = tokenizer_dir or path
+    config = apply_overrides(stored, flags.hf_overrides)
+    checks.append(_model_config(path, config, flags))
+    where = flags.tokenizer_dir or path
     files = _Files(where, _load_json(where / "tokenizer_config.json") or {})
     checks.append(_tokenizer(files))
-    template_check, template = _chat_template(where, files.tokenizer_config, chat_template)
+    template_check, template = _chat_template(where, files.tokenizer_config, flags.chat_template)
     checks.append(template_check)
     bos = _bos_content(files.tokenizer_config)
     adds = files.tokenizer_config.get("add_bos_token")
@@ -268,5 +354,5 @@ def check_model_dir(
     checks.append(check_bos(bos, adds if isinstance(adds, bool) else None, template))
     text = _text_config(config)
     checks.append(check_rope_theta(text.get("rope_theta", _rope(text).get("rope_theta"))))
-    checks.append(check_context_length(derived_max_len(config, files.tokenizer_config), max_model_len))
+    checks.append(check_context_length(derived_max_len(config, files.tokenizer_config), flags.max_model_len))
     return checks

@@ -1,18 +1,21 @@
 """Runs every preflight check on this machine for one engine configuration (`DoctorConfig`).
 
 The supervisor calls `run_checks` before it spawns the engine; `doctor_config` says what the engine would be
-started with. Imports settings, the supervisor's profiles and the doctor's own modules; never the HTTP app.
+started with (the flags of the argv the supervisor builds). Imports settings, the supervisor's profiles and
+the doctor's own modules; never the HTTP app.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, skipped, worst
+from gateway.doctor.flags import engine_flags
 from gateway.doctor.gpu import (
     check_cuda_visible_devices,
     check_device_nodes,
@@ -42,25 +45,31 @@ from gateway.doctor.host import (
     read_free_disk,
     read_open_files,
 )
-from gateway.doctor.model import check_model_dir, resolve_model
+from gateway.doctor.model import ModelFlags, check_model_dir, resolve_model
 from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
+from gateway.doctor.ports import engine_owner
 from gateway.settings import Settings
 from gateway.supervisor.profiles import Profile
 
 
 @dataclass(frozen=True)
 class DoctorConfig:
-    """What the engine is about to be started with; the supervisor fills it from the profile."""
+    """What the engine is about to be started with; `doctor_config` fills it from the engine's argv."""
 
     model: str | None = None  # a local directory or a hub id (org/name)
     tokenizer: str | None = None  # --tokenizer, where it differs from the model (AWQ profile)
-    chat_template: Path | None = None  # --chat-template, where the profile passes one
+    chat_template: str | Path | None = None  # --chat-template: a file, or the template itself
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.90
+    load_format: str | None = None  # --load-format; `dummy` reads no weights
+    quantization: str | None = None  # --quantization: the checkpoint must be of that scheme
+    hf_overrides: Mapping[str, Any] = field(default_factory=dict)  # --hf-overrides, applied to config.json
+    hf_overrides_error: str | None = None
     engine_host: str = "127.0.0.1"
     engine_port: int = 8001
+    engine_status_file: Path | None = None  # the supervisor's status: the port may be held by our own engine
     redis_url: str | None = None  # None: the Redis row is skipped
-    cache_dir: Path | None = None  # None: HF_HUB_CACHE / HF_HOME / ~/.cache/huggingface
+    cache_dir: Path | None = None  # None: HF_HUB_CACHE / HF_HOME / ~/.cache/huggingface (--download-dir sets it)
     model_size_bytes: int | None = None  # raises the free-disk floor above 15 GB when known
     cpu: bool = False  # the CPU profile: no GPU is needed
     environ: Mapping[str, str] | None = None  # None: this process's environment
@@ -142,22 +151,32 @@ def _host_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
         check_disk(free, str(disk_at), max(MIN_CACHE_DISK, config.model_size_bytes or 0)),
         check_proxy(env, probe_proxies(proxies)),
         redis_row,
-        check_engine_port(config.engine_host, config.engine_port, probe_port(config.engine_host, config.engine_port)),
+        _engine_port(config),
     ]
+
+
+def _engine_port(config: DoctorConfig) -> Check:
+    error = probe_port(config.engine_host, config.engine_port)
+    owner = None
+    if error is not None and config.engine_status_file is not None:
+        owner = engine_owner(config.engine_port, config.engine_status_file)
+    return check_engine_port(config.engine_host, config.engine_port, error, owner)
 
 
 def _model_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
     if config.model is None:
         return [skipped(row, "no --model given") for row in rows.MODEL_ROWS]
-    cache = hub_cache(env)
-    tokenizer_dir = resolve_model(config.tokenizer, cache) if config.tokenizer else None
-    return check_model_dir(
-        resolve_model(config.model, cache),
-        config.max_model_len,
-        tokenizer_dir=tokenizer_dir,
+    cache = config.cache_dir or hub_cache(env)
+    flags = ModelFlags(
+        max_model_len=config.max_model_len,
+        tokenizer_dir=resolve_model(config.tokenizer, cache) if config.tokenizer else None,
         chat_template=config.chat_template,
-        model=config.model,
+        load_format=config.load_format,
+        quantization=config.quantization,
+        hf_overrides=config.hf_overrides,
+        hf_overrides_error=config.hf_overrides_error,
     )
+    return check_model_dir(resolve_model(config.model, cache), flags, model=config.model)
 
 
 def run_checks(config: DoctorConfig) -> list[Check]:
@@ -168,18 +187,21 @@ def run_checks(config: DoctorConfig) -> list[Check]:
 
 
 def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
-    """What the engine would be started with: the settings and the profile's flags."""
-    flags = profile.flags
-    max_model_len = flags.get("max-model-len")
-    utilization = flags.get("gpu-memory-utilization")
+    """What the engine would be started with: the flags of the argv the supervisor builds (profile, extra args)."""
+    flags = engine_flags(settings.engine, profile)
     return DoctorConfig(
-        model=settings.engine.model,
-        tokenizer=str(flags["tokenizer"]) if "tokenizer" in flags else None,
-        chat_template=Path(str(flags["chat-template"])) if "chat-template" in flags else None,
-        max_model_len=int(max_model_len) if isinstance(max_model_len, int) else None,
-        gpu_memory_utilization=float(utilization) if isinstance(utilization, int | float) else 0.90,
+        model=flags.model,
+        tokenizer=flags.tokenizer,
+        chat_template=flags.chat_template,
+        max_model_len=flags.max_model_len,
+        gpu_memory_utilization=flags.gpu_memory_utilization if flags.gpu_memory_utilization is not None else 0.90,
+        load_format=flags.load_format,
+        quantization=flags.quantization,
+        hf_overrides=flags.hf_overrides,
+        hf_overrides_error=flags.hf_overrides_error,
         engine_port=settings.engine.port,
         redis_url=settings.redis_url.get_secret_value(),
-        # A profile without a GPU memory share is a CPU profile (cpu-dev): no GPU is needed.
-        cpu=utilization is None,
+        cache_dir=Path(flags.download_dir).expanduser() if flags.download_dir else None,
+        # No GPU memory share among the flags: a CPU profile (cpu-dev), no GPU is needed.
+        cpu=flags.gpu_memory_utilization is None,
     )

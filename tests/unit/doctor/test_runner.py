@@ -58,10 +58,51 @@ def test_cli_glue(tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[
     add_doctor_parser(parser.add_subparsers(dest="verb"))
     model = write_model(tmp_path / "model")
     argv = ["doctor", "--model", str(model), "--engine-port", str(free_port()), "--cpu", "--cache-dir", str(tmp_path)]
-    settings = Settings(redis_url=redis_url)
+    settings = Settings(redis_url=redis_url, engine={"state_dir": tmp_path / "state"})  # no running stack
     assert run_doctor(parser.parse_args([*argv, "--json"]), settings) == 0
     body = json.loads(capsys.readouterr().out)
     assert {c["name"] for c in body["checks"]} >= {"Redis", "engine port", "context length"}
     assert run_doctor(parser.parse_args([*argv, "--max-model-len", "8192"]), settings) == 1
     table = capsys.readouterr().out
     assert table.startswith("STATUS") and "FAIL*" in table and "context length" in table
+
+
+def test_a_hand_run_doctor_checks_the_stack_make_run_started(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What `make run` leaves in the state dir: the settings it started the stack with.
+    model, state, port = write_model(tmp_path / "model"), tmp_path / "state", free_port()
+    state.mkdir()
+    run_env = state / "run.env"
+    run_env.write_text(
+        f"NEMOTRON_ENGINE__MODEL={model}\nNEMOTRON_ENGINE__PROFILE=cpu-dev\n"
+        f"NEMOTRON_ENGINE__PORT={port}\nNEMOTRON_REDIS_URL={redis_url}\n"
+    )
+    for name in ("NEMOTRON_ENGINE__MODEL", "NEMOTRON_ENGINE__PROFILE", "NEMOTRON_ENGINE__PORT", "NEMOTRON_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NEMOTRON_ENGINE__STATE_DIR", str(state))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    parser = argparse.ArgumentParser()
+    add_doctor_parser(parser.add_subparsers(dest="verb"))
+
+    assert run_doctor(parser.parse_args(["doctor", "--json"]), Settings()) == 0
+    out, err = capsys.readouterr()
+    rows = {c["name"]: c for c in json.loads(out)["checks"]}
+    assert rows["model directory"]["measured"].startswith(f"{model}: 1 weight file(s)")
+    assert rows["context length"]["measured"] == "--max-model-len 2048, model allows 4096"  # cpu-dev's length
+    assert rows["NVIDIA GPU"]["status"] != "fail"  # cpu-dev needs no GPU
+    assert rows["engine port"]["measured"] == f"127.0.0.1:{port} free"
+    assert rows["Redis"]["status"] == "pass"
+    assert str(run_env) in err
+
+    # An explicit --env-file is the configuration to check; the doctor's own flags win over run.env.
+    other = tmp_path / "other.env"
+    other.write_text("NEMOTRON_ENGINE__PROFILE=balanced\n")
+    args = parser.parse_args(["doctor", "--json"])
+    args.env_file = other
+    run_doctor(args, Settings(_env_file=other))
+    rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert rows["model directory"]["measured"] == "no --model given"
+    run_doctor(parser.parse_args(["doctor", "--json", "--max-model-len", "1024"]), Settings())
+    rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert rows["context length"]["measured"] == "--max-model-len 1024, model allows 4096"
