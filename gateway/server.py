@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _FD_HEADROOM = 64
 # A refused or cut-off client is logged at most this often (with a count), so a flood cannot flood the log.
 _LOG_EVERY = 10.0
-# How long a refused connection may linger half-closed so the client reads its 503 instead of a reset.
+# How long a refused or cut-off connection lingers half-closed, so the client reads its answer, not a reset.
 _REFUSAL_LINGER = 1.0
 _STARTUP_FAILURE = 3
 
@@ -132,18 +132,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._start_head_timer()
 
     def _refuse(self, transport: asyncio.BaseTransport) -> None:
-        # Answered before reading anything: the whole point is to spend nothing on this client. The write
-        # side is shut and the socket closed a moment later (or when the client closes), so a client that
-        # has already sent its request reads the 503 rather than a reset.
-        assert isinstance(transport, asyncio.Transport)
-        self._done = True
-        self.transport = transport
+        # Answered before reading anything: the whole point is to spend nothing on this client.
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport subclasses
         self._limits.refusals.event()
-        error = OverloadedError("The gateway has too many open connections; retry shortly.", retry_after=1.0)
-        transport.write(_raw_response(error))
-        if transport.can_write_eof():
-            transport.write_eof()
-        self._linger = self.loop.call_later(_REFUSAL_LINGER, transport.close)
+        self._close(OverloadedError("The gateway has too many open connections; retry shortly.", retry_after=1.0))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
@@ -251,12 +243,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._close(error if self._idle() else None)
 
     def _close(self, error: GatewayError | None) -> None:
-        """Answer `error` (when nothing else is being answered) and close; nothing more is read."""
+        """Answer `error` (when nothing else is being answered) and close; what else arrives is discarded."""
         self._done = True
         self._cancel_timers()
-        if error is not None:
-            self.transport.write(_raw_response(error))
-        self.transport.close()
+        if error is None or not self.transport.can_write_eof():
+            if error is not None:
+                self.transport.write(_raw_response(error))
+            self.transport.close()
+            return
+        # Closing a socket with unread input sends a reset, which can destroy the answer before the client
+        # reads it; so shut the write side and close a moment later, or when the client closes.
+        self.transport.write(_raw_response(error))
+        self.transport.write_eof()
+        self._linger = self.loop.call_later(_REFUSAL_LINGER, self.transport.close)
 
 
 def serve(settings: Settings) -> int:
