@@ -1,8 +1,9 @@
 """RedisRateLimiter: one Lua script admits a request against all three limits of its key, atomically.
 
-Imports errors, settings, background, redis_client and ratelimit.limiter. Limits hold across every gateway
-process sharing Redis; the clock is Redis's `TIME`, never the processes'. Every Redis call goes through
-`RedisCalls` (one deadline, one retry on a fresh connection, errors mapped to KeyStoreUnavailableError).
+Imports errors, settings, background, redis_client, ratelimit.limiter and its scripts (ratelimit.lua).
+Limits hold across every gateway process sharing Redis; the clock is Redis's `TIME`, never the processes'.
+Every Redis call goes through `RedisCalls` (one deadline, one retry on a fresh connection, errors mapped to
+KeyStoreUnavailableError).
 
 Admission and release are idempotent per lease id (a short-lived marker key records that the script ran),
 so that retry is safe even when a reply, not the command, was lost: a request is never charged twice, and a
@@ -28,6 +29,7 @@ import redis.asyncio as redis_asyncio
 
 from gateway.background import BackgroundTask, Backoff
 from gateway.errors import KeyStoreUnavailableError, RateLimitError
+from gateway.ratelimit import lua
 from gateway.ratelimit.limiter import (
     EffectiveLimits,
     Lease,
@@ -57,114 +59,6 @@ _MAX_REMEMBERED_REFUSALS = 10_000
 # A failed release is retried this often (jittered) until Redis answers: the slot frees within ~0.5 s of it.
 _RELEASE_RETRY = Backoff(initial=0.05, maximum=0.5)
 
-_BUCKET = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local window = tonumber(ARGV[1])
-local function level(key, limit)
-  if limit <= 0 then return 0 end
-  local state = redis.call('HMGET', key, 'u', 't')
-  local used = tonumber(state[1])
-  if not used then return 0 end
-  local elapsed = now - tonumber(state[2])
-  if elapsed > 0 then used = math.max(0, used - elapsed * limit) end
-  return used
-end
-local function wait(used, amount, limit)
-  local over = used + amount * window - limit * window
-  if over <= 0 then return 0 end
-  return math.ceil(over / limit)
-end
-local function store(key, used, limit)
-  if used <= 0 then redis.call('DEL', key) return end
-  redis.call('HSET', key, 'u', string.format('%.0f', used), 't', string.format('%.0f', now))
-  redis.call('PEXPIRE', key, math.ceil(used / limit) + 1000)
-end
-"""
-
-# KEYS: requests bucket, tokens bucket, leases (ZSET, score = expiry ms), admission marker of this lease.
-# ARGV: window ms, rpm, tpm, max concurrency, estimated tokens, lease id, lease ttl ms, concurrency retry ms,
-# marker ttl ms. Every limit is checked before anything is written, so a refused request consumes nothing.
-# An admitted lease leaves a marker holding its answer: the same lease admitted again (a retry after a lost
-# reply) gets that answer and is not charged twice.
-_ACQUIRE = (
-    _BUCKET
-    + """
-local done = redis.call('GET', KEYS[4])
-if done then
-  local gap = string.find(done, ' ')
-  return {0, 0, tonumber(string.sub(done, 1, gap - 1)), tonumber(string.sub(done, gap + 1))}
-end
-local rpm, tpm, conc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local cost, ttl = tonumber(ARGV[5]), tonumber(ARGV[7])
-local req, tok = level(KEYS[1], rpm), level(KEYS[2], tpm)
-local refused, retry = 0, 0
-if conc > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc then refused = refused + 1; retry = tonumber(ARGV[8]) end
-end
-if rpm > 0 then
-  local w = wait(req, 1, rpm)
-  if w > 0 then refused = refused + 2; retry = math.max(retry, w) end
-end
-if tpm > 0 then
-  if cost > tpm then
-    refused = refused + 8; retry = math.max(retry, window)
-  else
-    local w = wait(tok, cost, tpm)
-    if w > 0 then refused = refused + 4; retry = math.max(retry, w) end
-  end
-end
-if refused == 0 then
-  if rpm > 0 then req = req + window; store(KEYS[1], req, rpm) end
-  if tpm > 0 and cost > 0 then tok = tok + cost * window; store(KEYS[2], tok, tpm) end
-  if conc > 0 then
-    redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])
-    redis.call('PEXPIRE', KEYS[3], 2 * ttl)
-  end
-  redis.call('SET', KEYS[4], string.format('%.0f %.0f', req, tok), 'PX', ARGV[9])
-end
-return {refused, retry, req, tok}
-"""
-)
-
-# KEYS: tokens bucket, leases, usage of the day (HASH), last used (ms), release marker of this lease.
-# ARGV: window ms, tpm, used - estimated tokens, lease id, used tokens, retention seconds, requests served (0|1),
-# marker ttl ms. Runs once per lease: a second release of it (a retry after a lost reply) changes nothing.
-_RELEASE = (
-    _BUCKET
-    + """
-if not redis.call('SET', KEYS[5], '1', 'NX', 'PX', ARGV[8]) then return 0 end
-local tpm, diff = tonumber(ARGV[2]), tonumber(ARGV[3])
-if tpm > 0 and diff ~= 0 then store(KEYS[1], math.max(0, level(KEYS[1], tpm) + diff * window), tpm) end
-redis.call('ZREM', KEYS[2], ARGV[4])
-if ARGV[7] == '1' then
-  redis.call('HINCRBY', KEYS[3], 'requests', 1)
-  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
-  redis.call('EXPIRE', KEYS[3], ARGV[6])
-  redis.call('SET', KEYS[4], string.format('%.0f', now), 'EX', ARGV[6])
-end
-return 1
-"""
-)
-
-# KEYS: leases. ARGV: ttl ms, lease ids. Returns the ids that had already expired (their slots are gone).
-_RENEW = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local ttl = tonumber(ARGV[1])
-local lost = {}
-for i = 2, #ARGV do
-  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
-    redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[i])
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-redis.call('PEXPIRE', KEYS[1], 2 * ttl)
-return lost
-"""
-
 
 @dataclass(frozen=True, slots=True)
 class Usage:
@@ -193,9 +87,9 @@ class RedisRateLimiter:
         self._admitted_marker_ms = max(1, round(2 * self._calls.timeout * 1000))
         self._released_marker_ms = self._ttl_ms + 2 * self._admitted_marker_ms
         self._retention_s = settings.limits.usage_retention_days * 86_400
-        self._acquire = redis.register_script(_ACQUIRE)
-        self._release = redis.register_script(_RELEASE)
-        self._renew = redis.register_script(_RENEW)
+        self._acquire = redis.register_script(lua.ACQUIRE)
+        self._release = redis.register_script(lua.RELEASE)
+        self._renew = redis.register_script(lua.RENEW)
         self._live: dict[str, Lease] = {}
         self._pending: set[asyncio.Task[Any]] = set()
         self._retrying: set[BackgroundTask] = set()  # releases that failed, retried until Redis answers
