@@ -97,16 +97,19 @@ def check_compute_capability(cc: tuple[int, int], flash_attn_archs: set[str] | f
     return failed(row, measured, fix)
 
 
-def check_gpu_memory(free: int, total: int, utilization: float) -> Check:
-    """vLLM refuses to start when free memory is below utilization * total (fatal)."""
+def check_gpu_memory(free: int, total: int, utilization: float, held: int = 0) -> Check:
+    """vLLM refuses to start when free memory is below utilization * total (fatal). `held`: what our own running
+    engine holds, free again for the engine the doctor checks (a hand-run doctor next to the running stack)."""
     row = rows.GPU_MEMORY
     need = utilization * total
-    measured = f"{gib(free)} free of {gib(total)}; --gpu-memory-utilization {utilization:g} needs {gib(need)}"
-    if free < need:
-        fits = max(free / total - 0.01, 0.0)
-        fix = f"stop the process holding {gib(total - free)}, or lower --gpu-memory-utilization to {fits:.2f}"
+    available = free + held
+    ours = f" (+{gib(held)} held by the running engine)" if held else ""
+    measured = f"{gib(free)} free of {gib(total)}{ours}; --gpu-memory-utilization {utilization:g} needs {gib(need)}"
+    if available < need:
+        fits = max(available / total - 0.01, 0.0)
+        fix = f"stop the process holding {gib(total - available)}, or lower --gpu-memory-utilization to {fits:.2f}"
         return failed(row, measured, fix)
-    if free - need < _MEMORY_MARGIN:
+    if available - need < _MEMORY_MARGIN:
         return warned(row, measured, "under 1 GiB of headroom: another allocation will stop vLLM's start")
     return passed(row, measured)
 

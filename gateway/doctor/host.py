@@ -1,7 +1,7 @@
 """Host preflight checks: cgroup limits, open files, disk for the model cache, proxies, Redis, the engine port.
 
 Each `check_*` takes plain values (tests feed them); the `read_*`/`probe_*` functions measure this machine.
-Imports `check`, `rows` and `ports` of ours.
+Imports `check`, `rows` and `running` of ours.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import redis
 
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, warned
-from gateway.doctor.ports import PortOwner
+from gateway.doctor.running import PortOwner
 
 MIN_OPEN_FILES = 65_536
 MIN_CACHE_DISK = 15 * 10**9  # bytes: a quantised 8B model plus vLLM's compile caches

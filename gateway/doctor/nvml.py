@@ -29,6 +29,14 @@ class PcieLink:
 
 
 @dataclass(frozen=True)
+class GpuProcess:
+    """A process with a CUDA context on the GPU; `used` None where the driver does not say (some virtual GPUs)."""
+
+    pid: int
+    used: int | None
+
+
+@dataclass(frozen=True)
 class GpuDevice:
     index: int
     name: str
@@ -37,6 +45,7 @@ class GpuDevice:
     memory_total: int
     compute_capability: tuple[int, int]
     pcie: PcieLink
+    processes: tuple[GpuProcess, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,20 @@ def _pcie(handle: Any) -> PcieLink:
         return link
 
 
+def _processes(handle: Any) -> tuple[GpuProcess, ...]:
+    """The compute processes on the GPU. Their pids are the host's: inside a container with its own pid
+    namespace they match nothing here, so nothing is taken for ours."""
+    try:
+        found = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except pynvml.NVMLError:
+        return ()
+    processes = []
+    for entry in found:
+        used = getattr(entry, "usedGpuMemory", None)
+        processes.append(GpuProcess(int(entry.pid), int(used) if isinstance(used, int) else None))
+    return tuple(processes)
+
+
 def _device(index: int) -> GpuDevice:
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
@@ -118,6 +141,7 @@ def _device(index: int) -> GpuDevice:
         memory_total=int(memory.total),
         compute_capability=(int(major), int(minor)),
         pcie=_pcie(handle),
+        processes=_processes(handle),
     )
 
 

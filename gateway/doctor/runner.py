@@ -47,7 +47,7 @@ from gateway.doctor.host import (
 )
 from gateway.doctor.model import ModelFlags, check_model_dir, resolve_model
 from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
-from gateway.doctor.ports import engine_owner
+from gateway.doctor.running import RunningEngine, running_engine
 from gateway.settings import Settings
 from gateway.supervisor.profiles import Profile
 
@@ -67,7 +67,7 @@ class DoctorConfig:
     hf_overrides_error: str | None = None
     engine_host: str = "127.0.0.1"
     engine_port: int = 8001
-    engine_status_file: Path | None = None  # the supervisor's status: the port may be held by our own engine
+    engine_status_file: Path | None = None  # the supervisor's status: our running engine's port and GPU memory
     redis_url: str | None = None  # None: the Redis row is skipped
     cache_dir: Path | None = None  # None: HF_HUB_CACHE / HF_HOME / ~/.cache/huggingface (--download-dir sets it)
     model_size_bytes: int | None = None  # raises the free-disk floor above 15 GB when known
@@ -100,7 +100,9 @@ def _visible(devices: Sequence[GpuDevice], value: str | None) -> list[GpuDevice]
     return chosen or list(devices)
 
 
-def _gpu_checks(config: DoctorConfig, readings: GpuReadings, env: Mapping[str, str]) -> list[Check]:
+def _gpu_checks(
+    config: DoctorConfig, readings: GpuReadings, env: Mapping[str, str], engine: RunningEngine | None
+) -> list[Check]:
     present = check_gpu_present(readings, config.cpu)
     nodes = check_device_nodes(device_nodes(), bool(readings.devices))
     if not readings.devices or config.cpu:
@@ -122,7 +124,10 @@ def _gpu_checks(config: DoctorConfig, readings: GpuReadings, env: Mapping[str, s
         worst(rows.FLASH_ATTN, [check_flash_attn(d.compute_capability, flash) for d in visible], labels),
         worst(
             rows.GPU_MEMORY,
-            [check_gpu_memory(d.memory_free, d.memory_total, config.gpu_memory_utilization) for d in visible],
+            [
+                check_gpu_memory(d.memory_free, d.memory_total, config.gpu_memory_utilization, _held(d, engine))
+                for d in visible
+            ],
             labels,
         ),
         check_cuda_visible_devices(
@@ -137,7 +142,7 @@ def _gpu_checks(config: DoctorConfig, readings: GpuReadings, env: Mapping[str, s
     ]
 
 
-def _host_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
+def _host_checks(config: DoctorConfig, env: Mapping[str, str], engine: RunningEngine | None) -> list[Check]:
     soft, hard = read_open_files()
     disk_at, free = read_free_disk(config.cache_dir or hub_cache(env))
     proxies = proxy_settings(env)
@@ -151,15 +156,20 @@ def _host_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
         check_disk(free, str(disk_at), max(MIN_CACHE_DISK, config.model_size_bytes or 0)),
         check_proxy(env, probe_proxies(proxies)),
         redis_row,
-        _engine_port(config),
+        _engine_port(config, engine),
     ]
 
 
-def _engine_port(config: DoctorConfig) -> Check:
+def _held(device: GpuDevice, engine: RunningEngine | None) -> int:
+    """GPU memory our own running engine holds on `device` (0 when none runs or the driver does not say)."""
+    if engine is None:
+        return 0
+    return sum(p.used or 0 for p in device.processes if p.pid in engine.pids)
+
+
+def _engine_port(config: DoctorConfig, engine: RunningEngine | None) -> Check:
     error = probe_port(config.engine_host, config.engine_port)
-    owner = None
-    if error is not None and config.engine_status_file is not None:
-        owner = engine_owner(config.engine_port, config.engine_status_file)
+    owner = engine.port_owner(config.engine_port) if error is not None and engine is not None else None
     return check_engine_port(config.engine_host, config.engine_port, error, owner)
 
 
@@ -183,7 +193,13 @@ def run_checks(config: DoctorConfig) -> list[Check]:
     """Every check, GPU first, then host, then model; takes a second or two (NVML, Redis ping, file reads)."""
     env = config.environ if config.environ is not None else os.environ
     readings = read_gpus()
-    return [*_gpu_checks(config, readings, env), *_host_checks(config, env), *_model_checks(config, env)]
+    # Only a hand-run doctor names the status file: the supervisor's own preflight counts no engine as ours.
+    engine = running_engine(config.engine_status_file) if config.engine_status_file is not None else None
+    return [
+        *_gpu_checks(config, readings, env, engine),
+        *_host_checks(config, env, engine),
+        *_model_checks(config, env),
+    ]
 
 
 def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,9 @@ from gateway.doctor.gpu import (
     check_pcie,
     read_torch_build,
 )
-from gateway.doctor.nvml import GpuReadings, PcieLink
+from gateway.doctor.nvml import GpuProcess, GpuReadings, PcieLink
 from gateway.doctor.runner import run_checks
+from gateway.supervisor.state import EngineState, EngineStatus
 from tests.unit.doctor.samples import GiB, by_name, doctor_config_for, h200
 
 pytestmark = pytest.mark.timeout(30)
@@ -220,6 +223,10 @@ class FakeNvml:
     def nvmlDeviceGetPciInfo(self, handle: int) -> Any:
         return argparse.Namespace(busId=b"00000000:18:00.0")
 
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        # GPU 0: vLLM's 120 GiB; GPU 1: a process whose usage the (virtualised) driver does not report.
+        return [argparse.Namespace(pid=4242 + handle, usedGpuMemory=120 * GiB if handle == 0 else None)]
+
     def _unsupported(self, handle: int) -> int:
         raise self.NVMLError("Not Supported")
 
@@ -247,6 +254,7 @@ def test_read_gpus_through_nvml_with_the_pcie_link_from_sysfs(tmp_path: Path, mo
     assert [d.uuid for d in readings.devices] == ["GPU-0f1a2b3c-0000", "GPU-1f1a2b3c-0000"]
     assert readings.devices[0].pcie == PcieLink(4, 8, 5, 16)
     assert readings.devices[0].compute_capability == (9, 0) and fake.shut_down
+    assert [d.processes for d in readings.devices] == [(GpuProcess(4242, 120 * GiB),), (GpuProcess(4243, None),)]
 
 
 def test_read_gpus_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,3 +283,22 @@ def test_gpu_rows_on_a_gpu_machine(tmp_path: Path, redis_url: str, monkeypatch: 
     assert rows["GPU device nodes"].status is Status.PASS
     cpu_rows = by_name(run_checks(doctor_config_for(tmp_path, redis_url, cpu=True, environ=environ)))
     assert cpu_rows["GPU memory free"].measured == "skipped: CPU profile"
+
+
+def test_gpu_memory_held_by_our_running_engine_counts_as_free(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A hand-run doctor next to the running engine: vLLM holds 0.9 of the GPU, 14 GiB are free.
+    engine_pid = os.getpid()  # any live process stands in for vLLM
+    busy = replace(h200(0), memory_free=14 * GiB, processes=(GpuProcess(engine_pid, 126 * GiB), GpuProcess(1, None)))
+    monkeypatch.setattr(runner, "read_gpus", lambda: GpuReadings("580.159.04", (13, 0), (busy,)))
+    status_file = tmp_path / "engine.json"
+    EngineStatus(state=EngineState.READY, engine_pid=engine_pid).write(status_file)
+    config = doctor_config_for(tmp_path, redis_url, cpu=False, environ={"HF_HUB_CACHE": str(tmp_path / "hf")})
+    alone = by_name(run_checks(config))["GPU memory free"]
+    assert alone.blocks_start  # the supervisor's own preflight: a second engine would not fit
+    ours = by_name(run_checks(replace(config, engine_status_file=status_file)))["GPU memory free"]
+    assert ours.status is Status.PASS, ours
+    assert ours.measured.startswith("14.0 GiB free of 141.0 GiB (+126.0 GiB held by the running engine)")
+    EngineStatus(state=EngineState.READY, engine_pid=None).write(status_file)  # an engine not ours: no credit
+    assert by_name(run_checks(replace(config, engine_status_file=status_file)))["GPU memory free"].blocks_start

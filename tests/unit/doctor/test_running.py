@@ -1,5 +1,5 @@
-"""The engine-port row next to a running stack: a port held by our own engine (the pid the supervisor's status
-file names, or a process below it) is not a conflict; a port held by anything else still is."""
+"""Our running engine next to a hand-run doctor: a port held by it (the pid the supervisor's status file names,
+or a process below it) is not a conflict; a port held by anything else still is."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gateway.doctor.check import Check, Status
-from gateway.doctor.ports import descendants, engine_owner, listening_inodes
 from gateway.doctor.runner import DoctorConfig, run_checks
+from gateway.doctor.running import descendants, listening_inodes, running_engine
 from gateway.supervisor.state import EngineState, EngineStatus
 from tests.procs import ServerProcess, free_port, run_fake_engine
 from tests.unit.doctor.samples import by_name
@@ -56,7 +56,9 @@ def test_port_held_by_a_child_of_our_engine_passes(tmp_path: Path) -> None:
     child = [sys.executable, "-m", "tests.fakes.fake_engine", "--port", str(port)]
     guard = ServerProcess([sys.executable, "-c", _PARENT, *child], ready_url=f"http://127.0.0.1:{port}/health")
     with guard:
-        owner = engine_owner(port, write_status(tmp_path / "engine.json", guard.pid))
+        engine = running_engine(write_status(tmp_path / "engine.json", guard.pid))
+        assert engine is not None and engine.state == "ready"
+        owner = engine.port_owner(port)
         assert owner is not None and owner.pid != guard.pid
         assert owner.pid in descendants([guard.pid])
         assert port_row(port, tmp_path / "engine.json").status is Status.PASS
@@ -92,3 +94,11 @@ def test_listening_inodes_read_from_proc(tmp_path: Path) -> None:
     (net / "tcp").write_text(header + listen + client)
     assert listening_inodes(8001, tmp_path) == {4242}
     assert listening_inodes(8002, tmp_path) == set()
+
+
+def test_no_running_engine_without_a_live_pid(tmp_path: Path) -> None:
+    assert running_engine(tmp_path / "absent.json") is None
+    assert running_engine(write_status(tmp_path / "none.json", None)) is None
+    gone = ServerProcess([sys.executable, "-c", "pass"]).start(wait=False)
+    gone.stop()
+    assert running_engine(write_status(tmp_path / "gone.json", gone.pid)) is None

@@ -1,9 +1,9 @@
-"""Whether a listening TCP port belongs to our own running engine, read from /proc and the supervisor's status.
+"""Our own running engine, as the supervisor's status file and /proc show it: its processes, the port it holds.
 
-`doctor` run by hand next to a running stack finds the engine port taken, by the engine it would start. The
-supervisor's status file names the engine's pid; the port is ours when the process listening on it is that
-process or one of its descendants. Only those processes' file descriptors are read, so a stranger's port is
-never claimed (and no other user's /proc entries are needed). Linux only: elsewhere nothing is ours.
+`doctor` run by hand next to a running stack finds the engine port taken and the GPU memory used, by the
+engine it would start. The supervisor's status file names the engine's pid; the engine is that process and
+every process below it. Only those processes' file descriptors are read, so a stranger's port is never
+claimed (and no other user's /proc entries are needed). Linux only: elsewhere no engine is found.
 Imports the supervisor's status record only.
 """
 
@@ -90,14 +90,26 @@ def _holds(pid: int, sockets: set[str], proc: Path) -> bool:
     return False
 
 
-def engine_owner(port: int, status_file: Path, proc: Path = _PROC) -> PortOwner | None:
-    """Our engine (the pid the status file names, or a process below it) when it listens on `port`, else None."""
+@dataclass(frozen=True)
+class RunningEngine:
+    """The engine the status file names, alive: its pid and every process below it, and the state last written."""
+
+    pids: frozenset[int]
+    state: str
+
+    def port_owner(self, port: int, proc: Path = _PROC) -> PortOwner | None:
+        """The engine's process that listens on `port`, if one does."""
+        sockets = {f"socket:[{inode}]" for inode in listening_inodes(port, proc)}
+        for pid in sorted(self.pids):
+            if sockets and _holds(pid, sockets, proc):
+                return PortOwner(pid, self.state)
+        return None
+
+
+def running_engine(status_file: Path, proc: Path = _PROC) -> RunningEngine | None:
+    """Our engine, when the status file names one that is alive; else None."""
     status = read_status(status_file)
     if status is None or status.engine_pid is None:
         return None
-    inodes = listening_inodes(port, proc)
-    sockets = {f"socket:[{inode}]" for inode in inodes}
-    for pid in sorted(descendants([status.engine_pid], proc)):
-        if _holds(pid, sockets, proc):
-            return PortOwner(pid, status.state.value)
-    return None
+    pids = descendants([status.engine_pid], proc)
+    return RunningEngine(frozenset(pids), status.state.value) if pids else None
