@@ -107,7 +107,8 @@ def _gpu_checks(
     nodes = check_device_nodes(device_nodes(), bool(readings.devices))
     if not readings.devices or config.cpu:
         why = "skipped: CPU profile" if readings.devices else NO_GPU
-        return [present, *(skipped(row, why) for row in rows.GPU_ROWS[1:-1]), nodes]
+        between = (r for r in rows.GPU_ROWS if r not in (rows.GPU_PRESENT, rows.DEVICE_NODES))
+        return [present, *(skipped(row, why) for row in between), nodes]
     torch = read_torch_build()
     flash = read_flash_attn_build(flash_attn_libraries())
     visible = _visible(readings.devices, env.get("CUDA_VISIBLE_DEVICES"))
