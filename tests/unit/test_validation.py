@@ -571,6 +571,24 @@ def test_too_many_messages_are_refused_before_they_are_checked() -> None:
     assert prepared.model == MODEL
 
 
+def test_too_many_messages_are_refused_before_the_body_is_parsed() -> None:
+    settings = Settings(max_messages=10)
+    # Not even valid JSON at the end: the count comes first.
+    body = orjson.dumps({"model": MODEL, "messages": [USER] * 11})[:-5]
+    with pytest.raises(InvalidRequestError) as caught:
+        prepare_chat(body, settings, INFO)
+    assert caught.value.param == "messages"
+
+
+def test_role_keys_spelt_with_escapes_are_still_counted_after_parsing() -> None:
+    settings = Settings(max_messages=10)
+    body = orjson.dumps({"model": MODEL, "messages": [USER] * 11}).replace(b'"role"', b'"r\\u006fle"')
+    with pytest.raises(InvalidRequestError) as caught:
+        prepare_chat(body, settings, INFO)
+    assert caught.value.param == "messages"
+    assert "at most 10" in caught.value.message
+
+
 def test_a_batch_of_prompts_counts_against_the_message_cap_but_token_ids_do_not() -> None:
     settings = Settings(max_messages=3)
     with pytest.raises(InvalidRequestError) as caught:
