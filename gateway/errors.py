@@ -4,7 +4,10 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
 
     GatewayError                      status_code, type, code; fields message, param, headers
      ├─ InvalidRequestError      400  invalid_request_error
-     │   └─ RequestTooLargeError 413  invalid_request_error   code=request_too_large
+     │   ├─ RequestTooLargeError 413  invalid_request_error   code=request_too_large
+     │   ├─ RequestHeadTooLargeError 431                  code=request_header_too_large
+     │   ├─ RequestTimeoutError  408                      code=request_timeout
+     │   └─ MethodNotAllowedError 405                     code=method_not_allowed, + Allow
      ├─ AuthenticationError      401  authentication_error    code=invalid_api_key
      ├─ PermissionDeniedError    403  permission_error        code=model_not_allowed
      ├─ NotFoundError            404  invalid_request_error   code=model_not_found
@@ -16,6 +19,7 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
          │   ├─ EngineRefusedError    503  (connection refused: the engine is down)
          │   └─ EngineConnectionLostError 503  (the connection dropped mid-exchange)
          ├─ KeyStoreUnavailableError  503  code=key_store_unavailable
+         ├─ OverloadedError           503  code=too_many_connections
          ├─ EngineProtocolError       502  code=engine_protocol_error
          └─ EngineTimeoutError        504  code=engine_timeout
 
@@ -66,6 +70,27 @@ class RequestTooLargeError(InvalidRequestError):
 
     status_code = 413
     code = "request_too_large"
+
+
+class RequestHeadTooLargeError(InvalidRequestError):
+    """The request line and headers exceed the configured size limit (answered by the HTTP server)."""
+
+    status_code = 431
+    code = "request_header_too_large"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The client sent its request (head or body) too slowly."""
+
+    status_code = 408
+    code = "request_timeout"
+
+
+class MethodNotAllowedError(InvalidRequestError):
+    """A served path asked with a method it does not answer; `Allow` lists the ones it does."""
+
+    status_code = 405
+    code = "method_not_allowed"
 
 
 class AuthenticationError(GatewayError):
@@ -153,6 +178,12 @@ class KeyStoreUnavailableError(ServiceUnavailableError):
     """Redis (keys and limits) does not answer; the gateway fails closed."""
 
     code = "key_store_unavailable"
+
+
+class OverloadedError(ServiceUnavailableError):
+    """The gateway holds as many client connections as it may; new ones are refused until some close."""
+
+    code = "too_many_connections"
 
 
 class EngineProtocolError(ServiceUnavailableError):

@@ -53,7 +53,8 @@ class GatewayMetrics:
         )
         self.client_disconnects = Counter(
             "nemotron_gateway_client_disconnects",
-            "Requests whose client went away before the answer was complete, by mode (stream, non_stream).",
+            "Requests whose client went away before the answer was complete, by mode (stream, non_stream, "
+            "upload: while sending its body).",
             ["mode"],
             registry=r,
         )
