@@ -49,6 +49,7 @@ class EngineMonitor:
         self._stuck = False
         self._probe_failed_since: float | None = None  # start of the last failed generation probe
         self._generation_probe: asyncio.Task[None] | None = None
+        self._probe_refused_logged = False
         self._published: str | None = "not probed yet"
         self.model: ModelInfo | None = None
         self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self.check)
@@ -127,15 +128,18 @@ class EngineMonitor:
         logger.info("engine serves %r (context length %s)", self.model.name, self.model.context_length)
         return None
 
-    def _judge_liveness(self) -> None:
-        """Start a generation probe when the engine has been quiet; decide whether it is stuck."""
+    def _judge_liveness(self, *, may_probe: bool = True) -> None:
+        """Start a generation probe when the engine has been quiet (`may_probe`); decide whether it is stuck.
+
+        Probes start only from the periodic check, so an engine that fails them fast is not hammered.
+        """
         if self._health_reason is not None or self.model is None:
             self._stuck = False
             self._probe_failed_since = None
             return
         activity = self._activity
         quiet = activity.quiet_for()
-        if self._generation_probe is None and quiet >= self._relay.probe_interval:
+        if may_probe and self._generation_probe is None and quiet >= self._relay.probe_interval:
             self._generation_probe = asyncio.create_task(
                 self._probe_generation(self.model.name), name="engine-generation-probe"
             )
@@ -162,8 +166,9 @@ class EngineMonitor:
                 self._activity.progress()
             elif status >= 500:
                 failure = f"answered {status}"
-            else:  # the API server answered; this says nothing about generation either way
-                logger.warning("engine generation probe answered %d", status)
+            elif not self._probe_refused_logged:  # the API server answered; no word on generation either way
+                self._probe_refused_logged = True
+                logger.warning("engine generation probe answered %d; liveness rests on traffic alone", status)
         except EngineRefusedError:
             self._generation_probe = None
             self.mark_down("connection refused")
@@ -175,7 +180,7 @@ class EngineMonitor:
         if failure is not None and self._activity.last_progress < started:
             logger.info("engine generation probe failed: %s", failure)
             self._probe_failed_since = started
-        self._judge_liveness()
+        self._judge_liveness(may_probe=False)
         self._publish()
 
     def _publish(self) -> None:
