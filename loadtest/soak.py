@@ -291,7 +291,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path, Path]:
     parser.add_argument("--chunk-delay", type=float, default=0.005, help="stub engine's seconds between chunks")
     parser.add_argument("--engine-url", help="a running engine (e.g. the real CPU vLLM) instead of the stub")
     parser.add_argument("--redis-url", help="a running Redis instead of a private redis-server")
-    parser.add_argument("--max-rss-growth-mb", type=float, default=16.0, help="tolerated RSS growth after warm-up")
+    parser.add_argument("--max-rss-growth-mb", type=float, default=8.0, help="tolerated RSS growth after warm-up")
     parser.add_argument("--max-fd-growth", type=int, default=16, help="tolerated growth of open fds after warm-up")
     parser.add_argument("--json", type=Path, default=RESULTS / "soak.json", help="where the JSON report goes")
     parser.add_argument("--markdown", type=Path, default=RESULTS / "soak.md", help="where the summary goes")
