@@ -56,7 +56,7 @@ async def ready(request: Request) -> Response:
     """Readiness: 200 only when the engine is known ready (the monitor's cached view) and Redis answers."""
     services = get_services(request)
     readiness: Readiness = request.app.state.readiness
-    engine_reason = services.monitor.down_reason
+    engine_reason = services.monitor.ready_reason()
     redis_reason = await readiness.redis(services.check_redis)
     body = {
         "status": "ready" if engine_reason is None and redis_reason is None else "not_ready",
