@@ -1,38 +1,51 @@
-"""The `nemotron-gateway` command line: parses flags into Settings and runs the chosen verb."""
+"""The `nemotron-gateway` command line: parses flags into Settings and runs the chosen verb.
+
+Each verb imports only what it runs: the web app (fastapi, the relay) costs ~0.6 s to import, which a
+`keys list` must not pay (issue 13). The verbs' modules are named in `_VERB_MODULES` and loaded with
+importlib once the verb is known, rather than imported inside functions (the house style bans
+function-local imports: they hide the dependency graph).
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import logging
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from gateway import __version__
-from gateway.app import create_app
-from gateway.auth.cli import add_keys_parser, run_keys
-from gateway.doctor import add_doctor_parser, run_doctor
-from gateway.settings import Settings
-from gateway.supervisor.cli import (
-    add_engine_arguments,
-    engine_overrides,
-    run_engine,
-    run_up,
-    show_profiles,
-    show_status,
-)
+from gateway.settings import Settings, unknown_variables
+from gateway.supervisor.flags import add_engine_arguments, engine_overrides
 
 logger = logging.getLogger("gateway")
 
 # Flags that map one-to-one onto top-level settings (also settable as NEMOTRON_<FLAG>).
 _SETTING_FLAGS = ("host", "port", "engine_url", "redis_url", "log_level")
+
+# The module that runs each verb (and, for `keys` and `doctor`, declares its flags), imported on demand.
+_VERB_MODULES = {
+    "serve": "gateway.server",
+    "engine": "gateway.supervisor.cli",
+    "up": "gateway.supervisor.cli",
+    "keys": "gateway.auth.cli",
+    "doctor": "gateway.doctor",
+}
+# One line per verb for `--help`; a verb's own flags are declared only when it is the one given.
+_VERB_HELP = {
+    "serve": "run the gateway in front of a running OpenAI-compatible engine",
+    "engine": "run the engine supervisor in the foreground (vllm serve on 127.0.0.1)",
+    "keys": "create, list, show, rotate and revoke API keys",
+    "demo-model": "write a tiny random-weight Nemotron model and tokenizer (needs the cpu or gpu extra)",
+    "doctor": "preflight checks of the GPU, host, model directory and Redis",
+    "up": "engine supervisor and gateway together, in the foreground",
+}
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -43,18 +56,20 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="nemotron-gateway", description="Front door for a Nemotron model on vLLM.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
-    serve = verbs.add_parser("serve", help="run the gateway in front of a running OpenAI-compatible engine")
+def _verb_module(verb: str) -> Any:
+    return importlib.import_module(_VERB_MODULES[verb])
+
+
+def _add_serve(verbs: Any) -> None:
+    serve = verbs.add_parser("serve", help=_VERB_HELP["serve"])
     serve.add_argument("--host", help="listen address (NEMOTRON_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (NEMOTRON_PORT, default 8000)")
     serve.add_argument("--engine-url", help="engine base URL (NEMOTRON_ENGINE_URL, default http://127.0.0.1:8001)")
     _add_common(serve)
 
-    engine = verbs.add_parser("engine", help="run the engine supervisor in the foreground (vllm serve on 127.0.0.1)")
+
+def _add_engine(verbs: Any) -> None:
+    engine = verbs.add_parser("engine", help=_VERB_HELP["engine"])
     add_engine_arguments(engine)
     _add_common(engine)
     engine_verbs = engine.add_subparsers(dest="engine_verb", metavar="[status|profiles]")
@@ -63,23 +78,55 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(status)
     _add_common(engine_verbs.add_parser("profiles", help="list the engine profiles and their vLLM flags"))
 
-    add_keys_parser(verbs, _add_common)
 
-    demo = verbs.add_parser(
-        "demo-model", help="write a tiny random-weight Nemotron model and tokenizer (needs the cpu or gpu extra)"
-    )
+def _add_keys(verbs: Any) -> None:
+    _verb_module("keys").add_keys_parser(verbs, _add_common)
+
+
+def _add_demo_model(verbs: Any) -> None:
+    demo = verbs.add_parser("demo-model", help=_VERB_HELP["demo-model"])
     demo.add_argument("directory", type=Path, help="where to write the model")
     demo.add_argument("--seed", type=int, default=0, help="seed for the random weights")
 
-    doctor = add_doctor_parser(verbs)
-    _add_common(doctor)
 
-    up = verbs.add_parser("up", help="engine supervisor and gateway together, in the foreground")
+def _add_doctor(verbs: Any) -> None:
+    _add_common(_verb_module("doctor").add_doctor_parser(verbs))
+
+
+def _add_up(verbs: Any) -> None:
+    up = verbs.add_parser("up", help=_VERB_HELP["up"])
     up.add_argument("--host", help="gateway listen address (NEMOTRON_HOST)")
     up.add_argument("--port", type=int, help="gateway listen port (NEMOTRON_PORT)")
     add_engine_arguments(up)
     _add_common(up)
+
+
+_VERB_PARSERS: dict[str, Callable[[Any], None]] = {
+    "serve": _add_serve,
+    "engine": _add_engine,
+    "keys": _add_keys,
+    "demo-model": _add_demo_model,
+    "doctor": _add_doctor,
+    "up": _add_up,
+}
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: every verb in full, or with `verb` only that one (the others as `--help` lines)."""
+    parser = argparse.ArgumentParser(prog="nemotron-gateway", description="Front door for a Nemotron model on vLLM.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
+    for name, add in _VERB_PARSERS.items():
+        if verb is None or name == verb:
+            add(verbs)
+        else:
+            verbs.add_parser(name, help=_VERB_HELP[name], add_help=False)
     return parser
+
+
+def _verb_of(argv: Sequence[str]) -> str | None:
+    """The verb argv names (its first word that is a verb), or None (top-level `--help`, `--version`)."""
+    return next((arg for arg in argv if arg in _VERB_PARSERS), None)
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -99,51 +146,39 @@ def configure_logging(level: str) -> None:
     )
 
 
-def serve(settings: Settings) -> int:
-    """Run the gateway under uvicorn until SIGTERM/SIGINT (open streams get `shutdown_grace` to finish)."""
-    logger.info("effective settings: %s", json.dumps(settings.masked()))
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_config=None,
-        proxy_headers=True,
-        forwarded_allow_ips=settings.trusted_proxies,
-        timeout_graceful_shutdown=int(settings.shutdown_grace),
-        server_header=False,
-    )
-    return 0
+def _run_engine_verb(args: argparse.Namespace, settings: Settings) -> int:
+    module = _verb_module("engine")
+    if args.engine_verb == "status":
+        return int(module.show_status(settings, as_json=args.json))
+    if args.engine_verb == "profiles":
+        return int(module.show_profiles(settings))
+    return int(module.run_engine(settings))
+
+
+_VERB_RUNNERS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
+    "serve": lambda args, settings: int(_verb_module("serve").serve(settings)),
+    "engine": _run_engine_verb,
+    "keys": lambda args, settings: int(_verb_module("keys").run_keys(args, settings)),
+    "doctor": lambda args, settings: int(_verb_module("doctor").run_doctor(args, settings)),
+    "up": lambda args, settings: int(_verb_module("up").run_up(settings, args.env_file)),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `nemotron-gateway` console script."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_verb_of(argv)).parse_args(argv)
     if args.verb == "demo-model":
         # A child interpreter: the model writer needs torch and tokenizers, which the gateway never imports.
         command = [sys.executable, "-m", "gateway.demo_model", str(args.directory), "--seed", str(args.seed)]
         return subprocess.run(command, check=False).returncode
+    # Logging is configured by the settings, which may fail on such a name: said before, on stderr.
+    for warning in unknown_variables(getattr(args, "env_file", None)):
+        sys.stderr.write(f"nemotron-gateway: warning: {warning}\n")
     try:
         settings = load_settings(args)
     except (ValidationError, SettingsError) as exc:
         sys.stderr.write(f"nemotron-gateway: invalid configuration:\n{exc}\n")
         return 2
     configure_logging(settings.log_level)
-    if args.verb == "serve":
-        return serve(settings)
-    if args.verb == "engine":
-        if args.engine_verb == "status":
-            return show_status(settings, as_json=args.json)
-        if args.engine_verb == "profiles":
-            return show_profiles(settings)
-        return run_engine(settings)
-    if args.verb == "keys":
-        return run_keys(args, settings)
-    if args.verb == "doctor":
-        return run_doctor(args, settings)
-    if args.verb == "up":
-        return run_up(settings, args.env_file)
-    raise AssertionError(f"unhandled verb {args.verb}")
+    return _VERB_RUNNERS[args.verb](args, settings)

@@ -6,6 +6,9 @@ entry point and passed down; there is no module-level instance.
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_SYSTEM_MESSAGE = "You are a helpful assistant."
+ENV_PREFIX = "NEMOTRON_"
+# Variables of the test suite, not of the gateway (tests/conftest.py reads them).
+_TEST_PREFIX = "NEMOTRON_TEST_"
+
+logger = logging.getLogger(__name__)
 
 
 class _Group(BaseModel):
@@ -198,10 +206,28 @@ class EngineSettings(_Group):
     startup_timeout: float = Field(
         1800.0, gt=0, description="Seconds the engine may take to answer /health 200 (loading a model takes minutes)."
     )
-    probe_interval: float = Field(5.0, gt=0, description="Seconds between health probes of a ready engine.")
-    probe_timeout: float = Field(5.0, gt=0, description="Seconds one health probe may take.")
+    health_interval: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds between two liveness checks of a ready engine: its /metrics token counter, and a "
+        "one-token generation when it is idle. Formerly `probe_interval` (still accepted, with a warning).",
+    )
+    probe_timeout: float = Field(
+        5.0, gt=0, description="Seconds one /health probe may take while the engine starts (then: `stall_timeout`)."
+    )
     probe_failures: int = Field(
-        3, ge=1, description="Consecutive failed probes after which a hung engine is restarted."
+        3,
+        ge=1,
+        description="Consecutive checks answered with an error or a refused connection after which the engine is "
+        "restarted.",
+    )
+    stall_timeout: float = Field(
+        15.0,
+        gt=0,
+        description="Seconds a ready engine may go without evidence that it generates (its token counter grows, or "
+        "the idle one-token probe is answered) before it is restarted: a frozen engine is restarted within "
+        "stall_timeout + health_interval. A busy engine whose /health answers late is not restarted while tokens "
+        "flow.",
     )
     backoff_initial: float = Field(2.0, gt=0, description="Seconds before the first restart after a crash.")
     backoff_max: float = Field(60.0, gt=0, description="Longest wait between restarts (doubling, with jitter).")
@@ -217,6 +243,18 @@ class EngineSettings(_Group):
     log_lines: int = Field(200, ge=10, description="Engine output lines kept to show when start-up fails.")
     run_doctor: bool = Field(True, description="Run the fatal preflight checks before spawning the engine.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_probe_interval(cls, data: Any) -> Any:
+        # `probe_interval` also names the relay's /health poll; the engine's was renamed (issue 13).
+        if isinstance(data, dict) and "probe_interval" in data:
+            data = dict(data)
+            value = data.pop("probe_interval")
+            logger.warning("NEMOTRON_ENGINE__PROBE_INTERVAL is deprecated: use NEMOTRON_ENGINE__HEALTH_INTERVAL")
+            data.setdefault("health_interval", value)
+        return data
+
+
 
 class Settings(BaseSettings):
     """The gateway's configuration: environment variables `NEMOTRON_<FIELD>`, an optional env file, or flags.
@@ -225,7 +263,7 @@ class Settings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(
-        env_prefix="NEMOTRON_",
+        env_prefix=ENV_PREFIX,
         env_nested_delimiter="__",
         frozen=True,
         extra="forbid",
@@ -288,3 +326,49 @@ class Settings(BaseSettings):
     def masked(self) -> dict[str, Any]:
         """The effective configuration for the start-up log line, secrets masked."""
         return self.model_dump(mode="json")
+
+
+def setting_names() -> list[str]:
+    """Every environment variable that is a setting: `NEMOTRON_<FIELD>` and `NEMOTRON_<GROUP>__<FIELD>`."""
+    names = []
+    for name, info in Settings.model_fields.items():
+        group = info.annotation
+        if isinstance(group, type) and issubclass(group, BaseModel):
+            names += [f"{ENV_PREFIX}{name}__{sub}".upper() for sub in group.model_fields]
+        else:
+            names.append(f"{ENV_PREFIX}{name}".upper())
+    return names
+
+
+def unknown_variables(env_file: Path | None = None) -> list[str]:
+    """One warning per `NEMOTRON_*` name in the environment or `env_file` that is no setting, naming the closest.
+
+    pydantic-settings ignores such names in the environment, so a typo (`NEMOTRON_REDIS_ULR`) silently
+    leaves the default in force; said once at start instead (issue 13).
+    """
+    known = set(setting_names()) | {f"{ENV_PREFIX}ENGINE__PROBE_INTERVAL"}
+    found = [(name, "environment") for name in os.environ]
+    if env_file is not None:
+        found += [(name, str(env_file)) for name in _env_file_names(env_file)]
+    warnings = []
+    for name, where in found:
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper.startswith(_TEST_PREFIX) or upper in known:
+            continue
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.append(f"{name} (in the {where}) is not a setting{hint}")
+    return warnings
+
+
+def _env_file_names(path: Path) -> list[str]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    names = []
+    for line in lines:
+        line = line.strip().removeprefix("export ").strip()
+        if line and not line.startswith("#") and "=" in line:
+            names.append(line.split("=", 1)[0].strip())
+    return names

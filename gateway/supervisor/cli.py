@@ -1,8 +1,10 @@
 """The supervisor's verbs: `engine` (foreground supervisor), `engine status`, `engine profiles`, and `up`.
 
 `up` runs the supervisor in this process and the gateway (`nemotron-gateway serve`) as a guarded child:
-one foreground process tree for a single machine. On SIGTERM/SIGINT the gateway drains first, then
-the engine stops. Never imports the HTTP app.
+one foreground process tree for a single machine. A gateway that exits by itself is restarted with
+backoff while the model stays loaded; on SIGTERM/SIGINT the gateway drains first, then the engine stops.
+Each supervisor writes the settings it runs with to `<state_dir>/run.env`, which a hand-run `doctor`
+reads, so it checks the configuration that is running. Never imports the HTTP app.
 """
 
 from __future__ import annotations
@@ -13,41 +15,58 @@ import contextlib
 import json
 import logging
 import os
+import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import start_http_server
 
 from gateway.doctor import doctor_config, fatal_failures, render_table, run_checks
 from gateway.metrics import SupervisorMetrics
-from gateway.settings import Settings
+from gateway.settings import Settings, unknown_variables
+from gateway.supervisor.flags import add_engine_arguments, engine_overrides
 from gateway.supervisor.launch import prepare
 from gateway.supervisor.process import GuardedProcess
 from gateway.supervisor.profiles import Profile, ProfileError, load_profiles
-from gateway.supervisor.state import EngineState, EngineStatus, read_status
+from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
 from gateway.supervisor.supervisor import EngineSupervisor
 
 logger = logging.getLogger(__name__)
 
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by `engine` and `up` (each also an environment variable)."""
-    parser.add_argument("--model", help="model directory or hub id (NEMOTRON_ENGINE__MODEL)")
-    parser.add_argument("--profile", help="engine profile (NEMOTRON_ENGINE__PROFILE, default balanced)")
-    parser.add_argument("--served-model-name", help="name clients send (NEMOTRON_ENGINE__SERVED_MODEL_NAME)")
-    parser.add_argument("--engine-port", type=int, help="engine port on 127.0.0.1 (NEMOTRON_ENGINE__PORT)")
-
-
-def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The `engine` settings group fields the flags set."""
-    names = {"model": "model", "profile": "profile", "served_model_name": "served_model_name", "engine_port": "port"}
-    return {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
+# Backoff of gateway restarts under `up`; a gateway that ran `_GATEWAY_STABLE` s starts the count anew.
+_GATEWAY_BACKOFF_INITIAL = 1.0
+_GATEWAY_BACKOFF_MAX = 30.0
+_GATEWAY_STABLE = 60.0
+# The engine settings written to RUNNING_ENV.
+_RUNNING_FIELDS = ("model", "profile", "profiles_file", "served_model_name", "port", "state_dir")
 
 
 def _status_path(settings: Settings) -> Path:
-    return settings.engine.state_dir / "engine.json"
+    return settings.engine.state_dir / STATUS_FILE
+
+
+def write_running_env(settings: Settings) -> None:
+    """Record the settings this supervisor runs with in its state dir, where a hand-run `doctor` finds them.
+
+    Owner-only (0600): it holds the Redis URL, which may carry a password.
+    """
+    values: dict[str, object] = {f"ENGINE__{name}": getattr(settings.engine, name) for name in _RUNNING_FIELDS}
+    values.update(PORT=settings.port, REDIS_URL=settings.redis_url.get_secret_value())
+    lines = ["# the settings of the running engine supervisor (read by a hand-run `nemotron-gateway doctor`)"]
+    lines += [f"NEMOTRON_{key.upper()}={json.dumps(str(value))}" for key, value in values.items() if value is not None]
+    path = settings.engine.state_dir / RUNNING_ENV
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+def quiet_probe_loggers() -> None:
+    """httpx logs every request at INFO: one line per liveness check (issue 12's ~54 lines a minute)."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def show_status(settings: Settings, *, as_json: bool) -> int:
@@ -56,7 +75,7 @@ def show_status(settings: Settings, *, as_json: bool) -> int:
     if status is None:
         sys.stdout.write(f"no engine supervisor status at {_status_path(settings)}\n")
         return 1
-    alive = _pid_alive(status.supervisor_pid)
+    alive = pid_alive(status.supervisor_pid)
     if not alive and status.state not in (EngineState.STOPPED, EngineState.FAILED):
         status.reason = f"supervisor (pid {status.supervisor_pid}) is not running; last state {status.state.value}"
         status.state = EngineState.STOPPED
@@ -69,24 +88,19 @@ def show_status(settings: Settings, *, as_json: bool) -> int:
             ("profile", status.profile),
             ("model", status.model),
             ("engine", status.engine_url),
-            ("engine pid", str(status.engine_pid or "-")),
+            ("engine pid", f"{status.engine_pid or '-'} (vLLM; process group {status.group_pid or '-'})"),
             ("supervisor pid", f"{status.supervisor_pid} ({'running' if alive else 'not running'})"),
             ("restarts", str(status.restarts)),
             ("last exit code", "-" if status.last_exit_code is None else str(status.last_exit_code)),
-            ("since", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(status.since))),
+            ("since", _clock(status.since)),
         ]
+        rows += [("restarted", f"{_clock(r.at)} {r.cause.value}: {r.reason}") for r in reversed(status.history)]
         sys.stdout.write("".join(f"{name:<15} {value}\n" for name, value in rows))
     return 0 if status.state == EngineState.READY and alive else 1
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _clock(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
 def show_profiles(settings: Settings) -> int:
@@ -127,12 +141,13 @@ def _build_supervisor(settings: Settings) -> EngineSupervisor:
     if settings.engine.metrics_port:
         start_http_server(settings.engine.metrics_port, addr="127.0.0.1", registry=metrics.registry)
     logger.info("engine command: %s", " ".join(argv))
+    write_running_env(settings)
     return EngineSupervisor(settings.engine, argv, env, status=status, metrics=metrics)
 
 
 def run_engine(settings: Settings) -> int:
     """`nemotron-gateway engine`: the supervisor in the foreground (the production unit)."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    quiet_probe_loggers()
     try:
         supervisor = _build_supervisor(settings)
     except ProfileError as exc:
@@ -173,41 +188,59 @@ def _echo_gateway(line: str) -> None:
 
 def run_up(settings: Settings, env_file: Path | None) -> int:
     """`nemotron-gateway up`: engine supervisor + gateway in one foreground process tree."""
+    quiet_probe_loggers()
     try:
         supervisor = _build_supervisor(settings)
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway up: {exc}\n")
         return 2
-    gateway = GuardedProcess(
-        _gateway_argv(env_file),
-        env=_gateway_env(settings),
-        grace=settings.shutdown_grace + 5,
-        on_line=_echo_gateway,
-    )
+
+    def gateway() -> GuardedProcess:
+        return GuardedProcess(
+            _gateway_argv(env_file),
+            env=_gateway_env(settings),
+            grace=settings.shutdown_grace + 5,
+            on_line=_echo_gateway,
+        )
+
     return asyncio.run(_up(supervisor, gateway))
 
 
-async def _up(supervisor: EngineSupervisor, gateway: GuardedProcess) -> int:
+async def _up(supervisor: EngineSupervisor, new_gateway: Callable[[], GuardedProcess]) -> int:
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (2, 15):  # SIGINT, SIGTERM: drain the gateway first, then stop the engine
         loop.add_signal_handler(sig, stop_requested.set)
     engine_task = asyncio.create_task(supervisor.run(), name="engine-supervisor")
-    await gateway.start()
-    gateway_exit = asyncio.create_task(gateway.wait(), name="gateway-exit")
     stop_wait = asyncio.create_task(stop_requested.wait(), name="stop-requested")
-    await asyncio.wait((engine_task, gateway_exit, stop_wait), return_when=asyncio.FIRST_COMPLETED)
-    if not gateway_exit.done():
-        await gateway.stop()
-    elif not stop_wait.done():
-        logger.error("the gateway exited unexpectedly (exit code %s); stopping the engine", gateway.returncode)
+    failures = 0
+    while True:
+        gateway = new_gateway()
+        await gateway.start()
+        started = time.monotonic()
+        gateway_exit = asyncio.create_task(gateway.wait(), name="gateway-exit")
+        await asyncio.wait((engine_task, gateway_exit, stop_wait), return_when=asyncio.FIRST_COMPLETED)
+        if not gateway_exit.done():
+            await gateway.stop()
+            break
+        if stop_wait.done() or engine_task.done():
+            break
+        # The gateway holds no model: restart it and keep the engine (minutes to reload) running (issue 12).
+        failures = 1 if time.monotonic() - started > _GATEWAY_STABLE else failures + 1
+        delay = min(_GATEWAY_BACKOFF_MAX, _GATEWAY_BACKOFF_INITIAL * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
+        logger.error(
+            "the gateway exited unexpectedly (exit code %s); restarting it in %.1f s, the engine stays up",
+            gateway.returncode,
+            delay,
+        )
+        await asyncio.wait((engine_task, stop_wait), timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        if stop_wait.done() or engine_task.done():
+            break
     supervisor.handle_exit()
     code = await engine_task
     stop_wait.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await stop_wait
-    if gateway.returncode not in (0, None) and not stop_requested.is_set():
-        return 1
     return code
 
 
@@ -219,5 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = Settings(_env_file=args.env_file, engine=engine_overrides(args))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for warning in unknown_variables(args.env_file):
+        logger.warning("%s", warning)
     return run_engine(settings)

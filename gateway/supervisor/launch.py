@@ -45,6 +45,10 @@ print(json.dumps({"version": dist, "modules": found}))
 _FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
 # Reading vLLM's full help imports all of vLLM: ~35 s on a CPU machine, so it is done once per version.
 _HELP_TIMEOUT = 300.0
+# The supervisor's checks hit these every few seconds: without this vLLM logs an access line for each
+# (issue 12). Only added where the installed vLLM has the flag.
+_QUIET_FLAG = "--disable-access-log-for-endpoints"
+_PROBED_PATHS = "/health,/metrics"
 
 
 def engine_python(settings: Settings) -> str:
@@ -109,10 +113,13 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
         version, launcher = installed_vllm(engine_python(settings))
         argv = build_argv(launcher, settings.engine, profile)
     if check_flags and not custom:
-        unknown = unknown_flags(argv, accepted_flags(launcher, version, settings.engine.state_dir))
+        accepted = accepted_flags(launcher, version, settings.engine.state_dir)
+        unknown = unknown_flags(argv, accepted)
         if unknown:
             raise ProfileError(
                 f"the installed vLLM does not accept {', '.join(unknown)} (profile {profile.name!r} or "
                 "NEMOTRON_ENGINE__EXTRA_ARGS); see `vllm serve --help=all`"
             )
+        if _QUIET_FLAG in accepted and _QUIET_FLAG not in argv:
+            argv += [_QUIET_FLAG, _PROBED_PATHS]
     return profile, argv, engine_environment(profile)

@@ -1,8 +1,8 @@
-"""GuardedProcess: a child command in its own process group, behind a guard that outlives nothing.
+"""GuardedProcess: a child command in its own process group, behind a reaper that outlives nothing.
 
 `vllm serve` forks EngineCore and Worker processes; killing only its pid leaves them running with
 gigabytes held, and SIGKILL of the group leaves POSIX shared memory in /dev/shm. So the command runs
-under `python -m gateway.supervisor.guard`, the group leader, which tears down the whole group (SIGTERM,
+under `python -m gateway.supervisor.reaper`, the group leader, which tears down the whole group (SIGTERM,
 grace, SIGKILL, /dev/shm clean-up) when asked, when the command exits, and when the supervisor dies
 for any reason, SIGKILL included (its stdin pipe from the supervisor reaches EOF). Imports nothing of
 the HTTP app.
@@ -24,6 +24,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SHM = "/dev/shm/"
+# Seconds the reaper gets to clean up after its command's group was SIGKILLed (scans of /proc: well under 1 s).
+_REAPER_CLEANUP = 5.0
 
 
 def group_members(pgid: int, *, exclude: int | None = None) -> list[int]:
@@ -61,13 +63,54 @@ def shared_memory_of(pids: Sequence[int]) -> set[str]:
     return paths
 
 
-def remove_files(paths: set[str]) -> int:
-    """Unlink the files that still exist; returns how many were removed."""
-    removed = 0
+def shared_memory_inodes(pids: Sequence[int]) -> set[int]:
+    """Inodes of the /dev/shm files these processes have mapped or open.
+
+    By inode, not by name: glibc's sem_open() creates a semaphore under a temporary name, maps it, links
+    it to its final name (vLLM's `sem.mp-*`) and unlinks the temporary one, so /proc/<pid>/maps never
+    shows the name that is left behind (issue 12).
+    """
+    inodes: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address perms offset dev inode path
+                if len(fields) == 6 and fields[5].startswith(_SHM):
+                    inodes.add(int(fields[4]))
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path).startswith(_SHM):
+                        inodes.add(os.stat(fd.path).st_ino)
+    return inodes
+
+
+def held_inodes() -> set[int]:
+    """Inodes of the /dev/shm files any live process (any we may read) maps or holds open."""
+    return shared_memory_inodes([int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()])
+
+
+def remove_files(paths: set[str], inodes: set[int] | None = None) -> int:
+    """Unlink the /dev/shm files named in `paths` or with one of `inodes`, if ours and no live process holds them.
+
+    Returns how many were removed. A file another process still uses is not ours to remove (issue 12:
+    never touch files of other processes); nor is a file of another user.
+    """
+    wanted = set(inodes or ())
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed += 1
+        with contextlib.suppress(OSError):
+            wanted.add(os.stat(path).st_ino)
+    if not wanted:
+        return 0
+    wanted -= held_inodes()
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(_SHM):
+            with contextlib.suppress(OSError):
+                if entry.inode() in wanted and entry.is_file(follow_symlinks=False):
+                    if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                        os.unlink(entry.path)
+                        removed += 1
     return removed
 
 
@@ -78,30 +121,33 @@ def signal_pids(pids: Sequence[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def terminate_group(pgid: int, grace: float, *, exclude: int | None = None) -> int:
+def terminate_group(pgid: int, grace: float, *, exclude: int | None = None, seen: set[int] | None = None) -> int:
     """SIGTERM every member of the group, wait up to `grace` s, SIGKILL what is left, clean /dev/shm.
 
-    Returns the number of processes that had to be killed. Blocking (used by the guard process).
+    `seen`: inodes of /dev/shm files the group held earlier (removed too, once nobody holds them).
+    Returns the number of processes that had to be killed. Blocking (used by the reaper process).
     """
     members = group_members(pgid, exclude=exclude)
     shm = shared_memory_of(members)
+    inodes = shared_memory_inodes(members) | (seen or set())
     signal_pids(members, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while members and time.monotonic() < deadline:
         time.sleep(0.05)
         members = group_members(pgid, exclude=exclude)
         shm |= shared_memory_of(members)
+        inodes |= shared_memory_inodes(members)
     signal_pids(members, signal.SIGKILL)
     while group_members(pgid, exclude=exclude):
         time.sleep(0.02)
-    removed = remove_files(shm)
+    removed = remove_files(shm, inodes)
     if members or removed:
         logger.warning("killed %d leftover process(es), removed %d /dev/shm file(s)", len(members), removed)
     return len(members)
 
 
 class GuardedProcess:
-    """Runs `argv` under the guard; its output lines go to `on_line` and a ring buffer."""
+    """Runs `argv` under the reaper; its output lines go to `on_line` and a ring buffer."""
 
     def __init__(
         self,
@@ -119,12 +165,23 @@ class GuardedProcess:
         self._on_line = on_line
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._command_pid: int | None = None
         self.stopping = False
 
     @property
     def pid(self) -> int | None:
-        """The guard's pid (also the process group id), once started."""
+        """The reaper's pid (also the process group id), once started."""
         return None if self._proc is None else self._proc.pid
+
+    @property
+    def command_pid(self) -> int | None:
+        """The command's own pid (the reaper's child), once it is running."""
+        if self._command_pid is None and self._proc is not None and self._proc.returncode is None:
+            pid = self._proc.pid
+            with contextlib.suppress(OSError, ValueError):
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                self._command_pid = int(children[0]) if children else None
+        return self._command_pid
 
     @property
     def returncode(self) -> int | None:
@@ -137,10 +194,10 @@ class GuardedProcess:
         return self.tail[-1] if self.tail else ""
 
     async def start(self) -> None:
-        """Spawn the guard in a new session (its own process group) with a stdin pipe kept by us."""
-        guard = [sys.executable, "-m", "gateway.supervisor.guard", "--grace", str(self.grace), "--", *self.argv]
+        """Spawn the reaper in a new session (its own process group) with a stdin pipe kept by us."""
+        reaper = [sys.executable, "-m", "gateway.supervisor.reaper", "--grace", str(self.grace), "--", *self.argv]
         self._proc = await asyncio.create_subprocess_exec(
-            *guard,
+            *reaper,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
@@ -167,7 +224,7 @@ class GuardedProcess:
         return code
 
     async def stop(self) -> int | None:
-        """SIGTERM the group (the guard then waits `grace` and SIGKILLs the rest); SIGKILL if the guard hangs."""
+        """SIGTERM the group (the reaper then waits `grace` and SIGKILLs the rest); SIGKILL if the reaper hangs."""
         if self._proc is None or self._proc.returncode is not None:
             return self.returncode
         self.stopping = True
@@ -176,20 +233,31 @@ class GuardedProcess:
         try:
             return await asyncio.wait_for(self.wait(), self.grace + 5.0)
         except TimeoutError:
-            logger.error("guard %d did not finish within %.0f s; killing its group", self._proc.pid, self.grace + 5)
+            logger.error("reaper %d did not finish within %.0f s; killing its group", self._proc.pid, self.grace + 5)
             await self.kill()
             return await self.wait()
 
     async def kill(self) -> None:
-        """SIGKILL the whole group now and remove the shared memory it held (a hung engine)."""
+        """SIGKILL the whole group now and remove the shared memory it held (a hung engine).
+
+        The reaper itself is spared: it saw the command's /dev/shm files while they were in use (some are
+        let go long before the end), so it removes them once the group is gone and then exits. Only when
+        it does not exit within `_REAPER_CLEANUP` s is it killed too.
+        """
         if self._proc is None or self._proc.returncode is not None:
             return
         self.stopping = True
-        members = group_members(self._proc.pid)
-        shm = shared_memory_of(members)
+        reaper = self._proc.pid
+        members = group_members(reaper, exclude=reaper)
+        shm, inodes = shared_memory_of(members), shared_memory_inodes(members)
+        signal_pids(members, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(self.wait(), _REAPER_CLEANUP)
+        except TimeoutError:
+            logger.error("reaper %d did not exit after its command was killed; killing it", reaper)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
+            os.killpg(reaper, signal.SIGKILL)
         deadline = time.monotonic() + 5.0
-        while group_members(self._proc.pid) and time.monotonic() < deadline:  # noqa: ASYNC110  # no event exists for non-child exits
+        while group_members(reaper) and time.monotonic() < deadline:  # noqa: ASYNC110  # no event exists for non-child exits
             await asyncio.sleep(0.02)
-        remove_files(shm)
+        remove_files(shm, inodes)

@@ -14,6 +14,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+STATUS_FILE = "engine.json"
+# The settings a supervisor runs with, as an env file in its state dir (a hand-run `doctor` reads it).
+RUNNING_ENV = "run.env"
+# Restarts kept in the status file: enough to tell a crash loop from one hang, short enough to read.
+HISTORY_LENGTH = 5
+
 
 class EngineState(enum.Enum):
     """STARTING -> READY <-> UNHEALTHY -> RESTARTING -> STARTING ...; STOPPING -> STOPPED | FAILED."""
@@ -27,9 +33,41 @@ class EngineState(enum.Enum):
     FAILED = "failed"
 
 
+class RestartCause(enum.Enum):
+    """Why an engine life ended without being asked to."""
+
+    CRASH = "crash"  # the process exited by itself
+    START_FAILED = "start failed"  # exited, or never became ready, during start-up
+    NOT_GENERATING = "not generating"  # answers, but produced no token within the stall bound
+    UNRESPONSIVE = "unresponsive"  # no answer at all (refused or timed out) within the stall bound
+
+
+@dataclass
+class RestartRecord:
+    """One engine life that ended unasked: when, why, and the exit code when it exited by itself."""
+
+    at: float
+    cause: RestartCause
+    reason: str
+    exit_code: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict."""
+        return {**asdict(self), "cause": self.cause.value}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RestartRecord:
+        """Read back what `to_json` wrote."""
+        return cls(**{**data, "cause": RestartCause(data["cause"])})
+
+
 @dataclass
 class EngineStatus:
-    """What `nemotron-gateway engine status` shows and the metrics export."""
+    """What `nemotron-gateway engine status` shows and the metrics export.
+
+    `engine_pid` is vLLM's own process (the API server); `group_pid` is its guard, the leader of the
+    process group that holds vLLM and every helper it forks.
+    """
 
     state: EngineState = EngineState.STARTING
     profile: str = ""
@@ -37,22 +75,30 @@ class EngineStatus:
     engine_url: str = ""
     supervisor_pid: int = field(default_factory=os.getpid)
     engine_pid: int | None = None
+    group_pid: int | None = None
     restarts: int = 0
     last_exit_code: int | None = None
     reason: str | None = None
     since: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)
+    history: list[RestartRecord] = field(default_factory=list)
+
+    def record_restart(self, record: RestartRecord) -> None:
+        """Remember why a life ended (the last `HISTORY_LENGTH` only)."""
+        self.history = [*self.history, record][-HISTORY_LENGTH:]
 
     def to_json(self) -> dict[str, Any]:
         """The status as a JSON-ready dict."""
         data = asdict(self)
         data["state"] = self.state.value
+        data["history"] = [record.to_json() for record in self.history]
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EngineStatus:
         """Read back what `to_json` wrote."""
-        return cls(**{**data, "state": EngineState(data["state"])})
+        history = [RestartRecord.from_json(item) for item in data.get("history", [])]
+        return cls(**{**data, "state": EngineState(data["state"]), "history": history})
 
     def write(self, path: Path) -> None:
         """Write atomically (rename), so a reader never sees half a file."""
@@ -69,3 +115,14 @@ def read_status(path: Path) -> EngineStatus | None:
         return EngineStatus.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError):
         return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (ours or not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

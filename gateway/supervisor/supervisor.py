@@ -1,8 +1,10 @@
-"""EngineSupervisor: spawns `vllm serve`, knows when it is ready, restarts it when it dies or hangs, stops it.
+"""EngineSupervisor: spawns `vllm serve`, knows when it is ready, restarts it when it dies or stops generating.
 
-Signal handlers only record; the loop acts; a second signal forces (uvicorn's model). Restarts back
-off exponentially with jitter, and a crash-loop budget ends in FAILED with a non-zero exit so that
-systemd's own restart policy takes over. Talks to the engine over HTTP only; never imports the app.
+Signal handlers only record; the loop acts; a second signal forces (uvicorn's model). Readiness is
+/health 200; liveness after that is progress (`liveness.py`), so a busy engine is never restarted and a
+frozen one is. Restarts back off exponentially with jitter, and a crash-loop budget ends in FAILED with
+a non-zero exit so that systemd's own restart policy takes over. Each restart's cause is kept in the
+status file. Talks to the engine over HTTP only; never imports the app.
 """
 
 from __future__ import annotations
@@ -17,18 +19,22 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import httpx
 
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import EngineSettings
+from gateway.supervisor.liveness import Liveness, Verdict
 from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.state import EngineState, EngineStatus
+from gateway.supervisor.state import STATUS_FILE, EngineState, EngineStatus, RestartCause, RestartRecord
 
 logger = logging.getLogger(__name__)
 
 _READY_POLL = 0.5
 _PROGRESS_EVERY = 10.0
+# Seconds a condemned engine gets to show that it has in fact exited (its reaper reports within ~0.1 s).
+_EXIT_GRACE = 1.0
 
 
 class EngineSupervisor:
@@ -86,8 +92,9 @@ class EngineSupervisor:
         self.status.state = state
         self.status.reason = reason
         self.status.since = time.time()
-        self.status.engine_pid = self.process.pid if self.process else None
-        self.status.write(self.settings.state_dir / "engine.json")
+        self.status.group_pid = self.process.pid if self.process else None
+        self.status.engine_pid = self.process.command_pid if self.process else None
+        self.status.write(self.settings.state_dir / STATUS_FILE)
         if self.metrics is not None:
             self.metrics.observe(self.status)
 
@@ -97,18 +104,18 @@ class EngineSupervisor:
         """Start, supervise and restart the engine until asked to stop or out of crash budget."""
         async with httpx.AsyncClient(timeout=self.settings.probe_timeout) as client:
             while not self.should_exit.is_set():
-                crash_reason = await self._run_once(client)
-                if crash_reason is None:
+                ended = await self._run_once(client)
+                if ended is None:
                     break
-                if not await self._after_crash(crash_reason):
+                if not await self._after_crash(ended):
                     return 1
         await self._stop()
         shutil.rmtree(self.scratch, ignore_errors=True)
         self._set_state(EngineState.STOPPED)
         return 0
 
-    async def _run_once(self, client: httpx.AsyncClient) -> str | None:
-        """One engine life: None when it ended because we stop, else why it crashed."""
+    async def _run_once(self, client: httpx.AsyncClient) -> RestartRecord | None:
+        """One engine life: None when it ended because we stop, else why it ended."""
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.process = GuardedProcess(
@@ -126,17 +133,18 @@ class EngineSupervisor:
         self._set_state(EngineState.READY)
         return await self._watch(client)
 
-    async def _wait_ready(self, client: httpx.AsyncClient) -> str | None:
+    async def _wait_ready(self, client: httpx.AsyncClient) -> RestartRecord | None:
         assert self.process is not None
         started = time.monotonic()
         next_progress = started + _PROGRESS_EVERY
         while not self.should_exit.is_set():
             if self.process.returncode is not None:
-                return self._exit_reason("exited during start-up", show_tail=True)
+                return self._ended(RestartCause.START_FAILED, "exited during start-up", show_tail=True)
             now = time.monotonic()
             if now - started > self.settings.startup_timeout:
                 await self.process.kill()
-                return self._exit_reason(f"not ready after {self.settings.startup_timeout:.0f} s", show_tail=True)
+                why = f"not ready after {self.settings.startup_timeout:.0f} s"
+                return self._ended(RestartCause.START_FAILED, why, show_tail=True)
             if now >= next_progress:
                 logger.info("engine starting: %.0f s elapsed; last line: %s", now - started, self.process.last_line)
                 next_progress = now + _PROGRESS_EVERY
@@ -147,36 +155,48 @@ class EngineSupervisor:
                 await asyncio.wait_for(self.should_exit.wait(), _READY_POLL)
         return None
 
-    async def _watch(self, client: httpx.AsyncClient) -> str | None:
+    async def _watch(self, client: httpx.AsyncClient) -> RestartRecord | None:
+        """A ready engine until it exits, stops generating, or we stop; a check runs every `health_interval` s."""
         assert self.process is not None
-        failures = 0
-        exited = asyncio.ensure_future(self.process.wait())
-        stop = asyncio.ensure_future(self.should_exit.wait())
+        liveness = Liveness(self.settings, client)
+        exited: asyncio.Future[Any] = asyncio.ensure_future(self.process.wait())
+        stop: asyncio.Future[Any] = asyncio.ensure_future(self.should_exit.wait())
+        check: asyncio.Future[Any] | None = None
         try:
             while True:
                 done, _ = await asyncio.wait(
-                    (exited, stop), timeout=self.settings.probe_interval, return_when=asyncio.FIRST_COMPLETED
+                    (exited, stop), timeout=self.settings.health_interval, return_when=asyncio.FIRST_COMPLETED
                 )
+                # The check races the exit and the stop: a probe waiting on a frozen engine must not delay either.
+                check = asyncio.ensure_future(liveness.check()) if not done else None
+                if check is not None:
+                    done, _ = await asyncio.wait((exited, stop, check), return_when=asyncio.FIRST_COMPLETED)
                 if stop in done:
                     return None
                 if exited in done:
                     # Any exit we did not ask for is a crash: vLLM exits 0 when its engine core dies.
-                    return self._exit_reason("exited")
-                why = await self._probe(client)
-                if why is None:
-                    if failures:
+                    return self._ended(RestartCause.CRASH, "exited")
+                assert check is not None
+                verdict: Verdict = check.result()
+                if verdict.problem is None:
+                    if self.status.state != EngineState.READY:
                         self._set_state(EngineState.READY)
-                    failures = 0
                     continue
-                failures += 1
-                self._set_state(EngineState.UNHEALTHY, f"{why} ({failures}/{self.settings.probe_failures})")
-                if failures >= self.settings.probe_failures:
+                if verdict.cause is not None:
+                    # A refused connection is often an exit on its way: the exit code tells more.
+                    await asyncio.wait((exited,), timeout=_EXIT_GRACE)
+                    if exited.done():
+                        return self._ended(RestartCause.CRASH, "exited")
                     await self.process.kill()
-                    return f"hung: {failures} failed health probes ({why})"
+                    return self._ended(verdict.cause, verdict.problem)
+                # A slow answer or a gap between tokens is normal under load; only a check that failed outright,
+                # or half the stall bound without progress, is worth an UNHEALTHY.
+                if verdict.failed or liveness.stalled_for > self.settings.stall_timeout / 2:
+                    self._set_state(EngineState.UNHEALTHY, verdict.problem)
         finally:
-            stop.cancel()
-            if not exited.done():
-                exited.cancel()
+            for future in (stop, exited, check):
+                if future is not None and not future.done():
+                    future.cancel()
 
     async def _probe(self, client: httpx.AsyncClient) -> str | None:
         try:
@@ -187,16 +207,21 @@ class EngineSupervisor:
             return f"/health failed ({type(exc).__name__})"
         return None if response.status_code == 200 else f"/health answered {response.status_code}"
 
-    def _exit_reason(self, what: str, *, show_tail: bool = False) -> str:
+    def _ended(self, cause: RestartCause, what: str, *, show_tail: bool = False) -> RestartRecord:
+        """Why this life ended, with the exit code when the engine exited by itself."""
         assert self.process is not None
-        code = self.process.returncode
-        self.status.last_exit_code = code
+        code = self.process.returncode if cause in (RestartCause.CRASH, RestartCause.START_FAILED) else None
+        if code is not None:
+            self.status.last_exit_code = code
         if show_tail and self.process.tail:
             logger.error("last engine output:\n%s", "\n".join(list(self.process.tail)[-40:]))
-        return f"{what} (exit code {code})" if code is not None else what
+        reason = f"{what} (exit code {code})" if code is not None else what
+        return RestartRecord(at=time.time(), cause=cause, reason=reason, exit_code=code)
 
-    async def _after_crash(self, reason: str) -> bool:
+    async def _after_crash(self, ended: RestartRecord) -> bool:
         """Count the crash; False when the budget is spent (FAILED), else wait the backoff (RESTARTING)."""
+        self.status.record_restart(ended)
+        reason = f"{ended.cause.value}: {ended.reason}"
         now = time.monotonic()
         self._crashes.append(now)
         while self._crashes and now - self._crashes[0] > self.settings.crash_window:

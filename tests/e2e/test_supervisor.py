@@ -7,84 +7,22 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from tests.e2e.supervised import engine_env, fake_shm_files, group_alive, start_supervisor, status
 from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
-
-FAKE_LAUNCHER = [sys.executable, "-m", "tests.fakes.fake_engine", "serve"]
-
-
-def engine_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:
-    return {
-        "NEMOTRON_ENGINE__LAUNCHER": json.dumps(FAKE_LAUNCHER),
-        "NEMOTRON_ENGINE__MODEL": "/models/fake",
-        "NEMOTRON_ENGINE__PORT": str(port),
-        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
-        "NEMOTRON_ENGINE__STATE_DIR": str(state_dir),
-        "NEMOTRON_ENGINE__METRICS_PORT": "0",
-        "NEMOTRON_ENGINE__PROBE_INTERVAL": "0.3",
-        "NEMOTRON_ENGINE__PROBE_TIMEOUT": "0.5",
-        "NEMOTRON_ENGINE__PROBE_FAILURES": "2",
-        "NEMOTRON_ENGINE__BACKOFF_INITIAL": "0.2",
-        "NEMOTRON_ENGINE__STOP_GRACE": "1.5",
-        # The fake engine needs no model directory; the preflight has its own test below.
-        "NEMOTRON_ENGINE__RUN_DOCTOR": "false",
-        **extra,
-    }
-
-
-def status(state_dir: Path) -> dict[str, object]:
-    try:
-        return dict(json.loads((state_dir / "engine.json").read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Pids still alive in a process group (zombies excluded)."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                alive.append(int(entry.name))
-    return alive
-
-
-def fake_shm_files() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("fake-engine-")}
-
-
-@pytest.fixture
-def state_dir(tmp_path: Path) -> Path:
-    return tmp_path / "state"
-
-
-def start_supervisor(state_dir: Path, port: int, *verb_args: str, **extra: str) -> ServerProcess:
-    proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "engine", *verb_args],
-        env=engine_env(state_dir, port, **extra),
-        ready_check=lambda: status(state_dir).get("state") == "ready",
-        start_timeout=30,
-        stop_timeout=10,
-        port=port,
-    )
-    return proc.start()
 
 
 def test_ready_then_restarted_after_a_crash(state_dir: Path) -> None:
     port = free_port()
     with start_supervisor(state_dir, port) as supervisor:
         first_pid = status(state_dir)["engine_pid"]
+        cmdline = Path(f"/proc/{first_pid}/cmdline").read_text()
+        assert "tests.fakes.fake_engine" in cmdline and "gateway.supervisor" not in cmdline, "vLLM, not its reaper"
         cli = subprocess.run(
             [sys.executable, "-m", "gateway", "engine", "status", "--json"],
             env={**os.environ, "NEMOTRON_ENGINE__STATE_DIR": str(state_dir)},
@@ -100,7 +38,8 @@ def test_ready_then_restarted_after_a_crash(state_dir: Path) -> None:
         wait_until(lambda: status(state_dir).get("restarts") == 1, timeout=10)
         wait_until(lambda: status(state_dir).get("state") == "ready", timeout=15)
         assert status(state_dir)["engine_pid"] != first_pid
-        assert status(state_dir)["last_exit_code"] == 0
+        assert status(state_dir)["last_exit_code"] == 0, json.dumps(status(state_dir))
+        assert status(state_dir)["history"][-1]["cause"] == "crash"
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         assert "engine exited" in supervisor.log_text() or "restart 1" in supervisor.log_text()
 
@@ -108,12 +47,13 @@ def test_ready_then_restarted_after_a_crash(state_dir: Path) -> None:
 def test_hung_engine_is_killed_and_restarted(state_dir: Path) -> None:
     port = free_port()
     with start_supervisor(state_dir, port):
-        old_group = int(str(status(state_dir)["engine_pid"]))
-        httpx.post(f"http://127.0.0.1:{port}/_test/health", json={"status": 200, "hang": True})
-        wait_until(lambda: status(state_dir).get("restarts") == 1, timeout=10)
-        assert "hung" in str(status(state_dir)["reason"])
-        wait_until(lambda: not group_alive(old_group), timeout=5)
-        wait_until(lambda: status(state_dir).get("state") == "ready", timeout=15)
+        old_group = int(str(status(state_dir)["group_pid"]))
+        # Every answer hangs: a stopped API server.
+        httpx.post(f"http://127.0.0.1:{port}/_test/freeze", json={"frozen": True, "api": True})
+        wait_until(lambda: status(state_dir).get("restarts") == 1, timeout=30)
+        assert status(state_dir)["history"][-1]["cause"] == "unresponsive"
+        wait_until(lambda: not group_alive(old_group), timeout=10)
+        wait_until(lambda: status(state_dir).get("state") == "ready", timeout=30)
 
 
 def test_stop_leaves_no_process_and_no_shared_memory(state_dir: Path) -> None:
@@ -121,8 +61,8 @@ def test_stop_leaves_no_process_and_no_shared_memory(state_dir: Path) -> None:
     before = fake_shm_files()
     supervisor = start_supervisor(state_dir, port, NEMOTRON_ENGINE__EXTRA_ARGS='["--spawn-child"]')
     try:
-        group = int(str(status(state_dir)["engine_pid"]))
-        assert len(group_alive(group)) == 3, "guard, engine and its SIGTERM-deaf helper"
+        group = int(str(status(state_dir)["group_pid"]))
+        assert len(group_alive(group)) == 3, "reaper, engine and its SIGTERM-deaf helper"
         assert fake_shm_files() - before
         supervisor.send_signal(signal.SIGTERM)
         wait_until(lambda: not supervisor.running, timeout=15, message="the supervisor did not exit on SIGTERM")
@@ -139,9 +79,9 @@ def test_sigkill_of_the_supervisor_takes_the_engine_group_down(state_dir: Path) 
     before = fake_shm_files()
     supervisor = start_supervisor(state_dir, port, NEMOTRON_ENGINE__EXTRA_ARGS='["--spawn-child"]')
     try:
-        group = int(str(status(state_dir)["engine_pid"]))
+        group = int(str(status(state_dir)["group_pid"]))
         os.kill(supervisor.pid, signal.SIGKILL)
-        # The guard sees its stdin pipe close, and tears the group down (grace 1.5 s, then SIGKILL).
+        # The reaper sees its stdin pipe close, and tears the group down (grace 1.5 s, then SIGKILL).
         wait_until(lambda: not group_alive(group), timeout=10, message="engine group survived its supervisor")
     finally:
         supervisor.stop()
@@ -180,7 +120,7 @@ def test_crash_loop_ends_in_failed_with_a_nonzero_exit(state_dir: Path) -> None:
     ],
 )
 def test_bad_configuration_fails_fast_with_a_clear_message(state_dir: Path, extra: dict[str, str], phrase: str) -> None:
-    started = time.perf_counter()
+    # "Fast": before any engine start, bounded by the subprocess timeout rather than a wall-clock assertion.
     result = subprocess.run(
         [sys.executable, "-m", "gateway", "engine"],
         env={**os.environ, **engine_env(state_dir, free_port()), **extra},
@@ -193,7 +133,7 @@ def test_bad_configuration_fails_fast_with_a_clear_message(state_dir: Path, extr
     assert result.returncode == 2
     assert phrase in result.stderr
     assert "Traceback" not in result.stderr
-    assert time.perf_counter() - started < 10
+    assert not status(state_dir), "no engine was started"
 
 
 def test_supervisor_metrics(state_dir: Path) -> None:
@@ -202,29 +142,6 @@ def test_supervisor_metrics(state_dir: Path) -> None:
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     assert 'nemotron_gateway_engine_state{state="ready"} 1.0' in text
     assert "nemotron_gateway_engine_up 1.0" in text
-
-
-@pytest.fixture
-def up_stack(state_dir: Path, redis_url: str) -> Iterator[tuple[ServerProcess, int, int]]:
-    engine_port, gateway_port = free_port(), free_port()
-    env = engine_env(
-        state_dir,
-        engine_port,
-        NEMOTRON_PORT=str(gateway_port),
-        NEMOTRON_REDIS_URL=redis_url,
-        # Keys have their own tests; this one is about the process tree.
-        NEMOTRON_AUTH__ENABLED="false",
-    )
-    proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "up"],
-        env=env,
-        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
-        start_timeout=30,
-        stop_timeout=15,
-        port=gateway_port,
-    )
-    with proc.start():
-        yield proc, engine_port, gateway_port
 
 
 def test_up_serves_survives_an_engine_crash_and_stops_cleanly(
@@ -246,8 +163,8 @@ def test_up_serves_survives_an_engine_crash_and_stops_cleanly(
             model="nemotron", messages=[{"role": "user", "content": "hi"}], max_tokens=1
         )
         assert answer.choices[0].message.content == "tok0"
-    wait_until(lambda: status(state_dir).get("state") == "ready", timeout=5)
-    engine_group = int(str(status(state_dir)["engine_pid"]))
+    wait_until(lambda: status(state_dir).get("state") == "ready", timeout=15)
+    engine_group = int(str(status(state_dir)["group_pid"]))
     proc.send_signal(signal.SIGTERM)
     wait_until(lambda: not proc.running, timeout=20)
     assert group_alive(engine_group) == []

@@ -174,7 +174,7 @@ def _vllm_server_pid(guard_pid: int) -> int:
 
 
 def test_killed_engine_gives_503s_then_is_restarted_and_serves(stack: Stack) -> None:
-    guard = int(str(stack.status()["engine_pid"]))
+    guard = int(str(stack.status()["group_pid"]))
     os.kill(_vllm_server_pid(guard), signal.SIGKILL)
     wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 503, timeout=10)
     with stack.sdk() as sdk:
@@ -191,7 +191,7 @@ def test_killed_engine_gives_503s_then_is_restarted_and_serves(stack: Stack) -> 
 
 
 def test_stop_leaves_no_engine_process_and_no_shared_memory(stack: Stack) -> None:
-    guard = int(str(stack.status()["engine_pid"]))
+    guard = int(str(stack.status()["group_pid"]))
     members = group_members(guard)
     assert len(members) >= 2, "guard and vllm serve (and its engine core)"
     held = shared_memory_of(members)

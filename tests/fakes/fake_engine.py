@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -103,12 +104,14 @@ class Stats:
     aborted: int = 0
     health_checks: int = 0
     generation_probes: int = 0  # a gateway's one-token liveness probes (not in the request log)
+    metrics_scrapes: int = 0
 
 
 @dataclass
 class Health:
     status: int = 200
     hang: bool = False
+    delay: float = 0.0  # seconds before /health and /metrics answer: an API server saturated by load
 
 
 class Exchange:
@@ -282,6 +285,12 @@ class FakeEngine:
         self.by_request_id: dict[str, RequestRecord] = {}
         self.stats = Stats()
         self.health = Health()
+        # vLLM's /metrics: tokens generated so far. Generation proceeds while `unfrozen` is set (a frozen
+        # EngineCore: /health still 200, no token); `api_frozen` also hangs /metrics (a stopped API server).
+        self.generated_tokens = 0
+        self.unfrozen = asyncio.Event()
+        self.unfrozen.set()
+        self.api_frozen = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -312,6 +321,8 @@ class FakeEngine:
             await self._completion(scope, exchange, body)
         elif method == "GET" and path == "/health":
             await self._health(exchange)
+        elif method == "GET" and path == "/metrics":
+            await self._metrics(exchange)
         elif method == "GET" and path == "/v1/models":
             await exchange.send_json(200, self._models())
         elif path.startswith("/_test/"):
@@ -343,7 +354,34 @@ class FakeEngine:
         if self.health.hang:
             await exchange.gone.wait()
             return
+        if await exchange.pause(self.health.delay):
+            return
         await exchange.send_empty(self.health.status)  # vLLM: a bare Response(status_code=...)
+
+    async def _metrics(self, exchange: Exchange) -> None:
+        """vLLM's Prometheus names for the two figures the supervisor reads."""
+        self.stats.metrics_scrapes += 1
+        if self.api_frozen:
+            await exchange.gone.wait()
+            return
+        if await exchange.pause(self.health.delay):
+            return
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        text = (
+            f"vllm:generation_tokens_total{labels} {float(self.generated_tokens)}\n"
+            f"vllm:num_requests_running{labels} {float(self.stats.active_requests)}\n"
+        ).encode()
+        await exchange.start(200, b"text/plain; version=0.0.4; charset=utf-8", len(text))
+        await exchange.send_body(text)
+
+    async def _frozen(self, exchange: Exchange) -> bool:
+        """Wait while generation is frozen; True if the client went away meanwhile."""
+        if not self.unfrozen.is_set():
+            waits = [asyncio.ensure_future(self.unfrozen.wait()), asyncio.ensure_future(exchange.gone.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+        return exchange.gone.is_set()
 
     async def _control(self, method: str, path: str, exchange: Exchange, body: bytes) -> None:
         if method == "GET" and path == "/_test/requests":
@@ -365,8 +403,21 @@ class FakeEngine:
             await exchange.send_json(200, {"ok": True})
         elif method == "POST" and path == "/_test/health":
             options = json.loads(body or b"{}")
-            self.health = Health(status=int(options.get("status", 200)), hang=bool(options.get("hang", False)))
+            self.health = Health(
+                status=int(options.get("status", 200)),
+                hang=bool(options.get("hang", False)),
+                delay=float(options.get("delay", 0.0)),
+            )
             await exchange.send_json(200, asdict(self.health))
+        elif method == "POST" and path == "/_test/freeze":
+            options = json.loads(body or b"{}")
+            frozen = bool(options.get("frozen", True))
+            self.api_frozen = frozen and bool(options.get("api", False))
+            if frozen:
+                self.unfrozen.clear()
+            else:
+                self.unfrozen.set()
+            await exchange.send_json(200, {"frozen": frozen, "api": self.api_frozen})
         elif method == "POST" and path == "/_test/exit":
             code = int(json.loads(body or b"{}").get("code", 1))
             await exchange.send_json(200, {"exiting": code})
@@ -467,12 +518,15 @@ class FakeEngine:
         return None
 
     async def _respond(self, exchange: Exchange, record: RequestRecord, completion: Completion, faults: Faults) -> None:
-        if await exchange.pause(faults.prefill_delay + faults.token_delay * max(completion.n_tokens - 1, 0)):
+        if await self._frozen(exchange) or await exchange.pause(
+            faults.prefill_delay + faults.token_delay * max(completion.n_tokens - 1, 0)
+        ):
             self._mark_gone(record)
         elif faults.die_after is not None:
             await self._abort(exchange, record)
         else:
             record.tokens_sent = completion.n_tokens
+            self.generated_tokens += completion.n_tokens
             await self._finish_json(exchange, record, 200, completion.response())
 
     async def _stream(self, exchange: Exchange, record: RequestRecord, completion: Completion, faults: Faults) -> None:
@@ -485,7 +539,8 @@ class FakeEngine:
                     delay = faults.prefill_delay
                 else:
                     delay = faults.token_delay if kind == "token" and record.tokens_sent > 0 else 0.0
-                if await exchange.pause(delay):
+                # vLLM sends even the role chunk only once the engine core produced the first token.
+                if await exchange.pause(delay) or (kind in ("role", "token") and await self._frozen(exchange)):
                     self._mark_gone(record)
                     return
                 if kind != "role" and faults.die_after is not None and record.tokens_sent >= faults.die_after:
@@ -494,6 +549,7 @@ class FakeEngine:
                 await exchange.send_body(event, more=True)
                 if kind == "token":
                     record.tokens_sent += 1
+                    self.generated_tokens += 1
             await exchange.send_body(b"")
             self._mark_completed(record)
         finally:
@@ -540,6 +596,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--startup-delay", type=float, default=0.0, help="seconds before binding (model load)")
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--spawn-child", action="store_true", help="fork a helper holding /dev/shm, like EngineCore")
+    parser.add_argument(
+        "--leak-semaphore",
+        metavar="PATH",
+        help="a short-lived spawned helper creates a multiprocessing semaphore (vLLM's sem.mp-*) and exits "
+        "without unlinking it, leaving only the resource tracker knowing its name; its path is written to PATH",
+    )
     parser.add_argument("--log-level", default="warning")
     if argv[:1] != ["serve"]:
         return parser.parse_args(argv)
@@ -562,6 +624,21 @@ def _spawn_child() -> None:
     subprocess.Popen([sys.executable, "-c", code])
 
 
+def _semaphore_holder(report: str) -> None:
+    """In a spawned child: create a named semaphore, hold it a while (long enough to be seen), vanish."""
+    semaphore = multiprocessing.get_context("spawn").Semaphore()
+    name = semaphore._semlock.name  # type: ignore[attr-defined]  # "/mp-xxxx", i.e. /dev/shm/sem.mp-xxxx
+    time.sleep(2.0)
+    with open(report, "w") as handle:
+        handle.write(f"/dev/shm/sem.{name.lstrip('/')}")
+    # No finalizer runs: the file stays, and only the resource tracker (in our group) knows its name.
+    os._exit(0)
+
+
+def _leak_semaphore(report: str) -> None:
+    multiprocessing.get_context("spawn").Process(target=_semaphore_holder, args=(report,), daemon=False).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper())
@@ -569,6 +646,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.spawn_child:
         _spawn_child()
+    if args.leak_semaphore:
+        _leak_semaphore(args.leak_semaphore)
     time.sleep(args.startup_delay)
     app = FakeEngine(model=args.model, max_model_len=args.max_model_len)
     config = uvicorn.Config(

@@ -1,0 +1,42 @@
+"""Fixtures of the supervisor tests: a state dir, and `nemotron-gateway up` over the fake engine."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.supervised import engine_env
+from tests.procs import ServerProcess, free_port
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def up_stack(state_dir: Path, redis_url: str) -> Iterator[tuple[ServerProcess, int, int]]:
+    engine_port, gateway_port = free_port(), free_port()
+    env = engine_env(
+        state_dir,
+        engine_port,
+        NEMOTRON_PORT=str(gateway_port),
+        NEMOTRON_REDIS_URL=redis_url,
+        # Keys have their own tests; this one is about the process tree.
+        NEMOTRON_AUTH__ENABLED="false",
+        # The gateway's own view of the engine, refreshed often enough to see a short outage.
+        NEMOTRON_RELAY__PROBE_INTERVAL="0.2",
+    )
+    proc = ServerProcess(
+        [sys.executable, "-m", "gateway", "up"],
+        env=env,
+        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
+        start_timeout=30,
+        stop_timeout=15,
+        port=gateway_port,
+    )
+    with proc.start():
+        yield proc, engine_port, gateway_port

@@ -1,0 +1,69 @@
+"""The supervisor as a real process over the fake engine: its environment, status file and process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tests.procs import ServerProcess
+
+FAKE_LAUNCHER = [sys.executable, "-m", "tests.fakes.fake_engine", "serve"]
+
+
+def engine_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:
+    return {
+        "NEMOTRON_ENGINE__LAUNCHER": json.dumps(FAKE_LAUNCHER),
+        "NEMOTRON_ENGINE__MODEL": "/models/fake",
+        "NEMOTRON_ENGINE__PORT": str(port),
+        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
+        "NEMOTRON_ENGINE__STATE_DIR": str(state_dir),
+        "NEMOTRON_ENGINE__METRICS_PORT": "0",
+        "NEMOTRON_ENGINE__HEALTH_INTERVAL": "0.3",
+        "NEMOTRON_ENGINE__PROBE_TIMEOUT": "0.5",
+        "NEMOTRON_ENGINE__PROBE_FAILURES": "2",
+        "NEMOTRON_ENGINE__STALL_TIMEOUT": "2",
+        "NEMOTRON_ENGINE__BACKOFF_INITIAL": "0.2",
+        "NEMOTRON_ENGINE__STOP_GRACE": "1.5",
+        # The fake engine needs no model directory; the preflight has its own test below.
+        "NEMOTRON_ENGINE__RUN_DOCTOR": "false",
+        **extra,
+    }
+
+
+def status(state_dir: Path) -> dict[str, object]:
+    try:
+        return dict(json.loads((state_dir / "engine.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Pids still alive in a process group (zombies excluded)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                alive.append(int(entry.name))
+    return alive
+
+
+def fake_shm_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("fake-engine-")}
+
+
+def start_supervisor(state_dir: Path, port: int, *verb_args: str, **extra: str) -> ServerProcess:
+    proc = ServerProcess(
+        [sys.executable, "-m", "gateway", "engine", *verb_args],
+        env=engine_env(state_dir, port, **extra),
+        ready_check=lambda: status(state_dir).get("state") == "ready",
+        start_timeout=30,
+        stop_timeout=10,
+        port=port,
+    )
+    return proc.start()
