@@ -86,7 +86,8 @@ class RelaySettings(_Group):
         "'engine not generating', and requests in flight end with an error. Bound: a frozen engine is refused "
         "within max(stall_timeout, generation_probe_timeout + 2 x probe_interval) + probe_interval seconds "
         "(17 s with the defaults) when busy, and within generation_probe_timeout + 2 x probe_interval (14 s) when "
-        "idle; a refused connection or a non-200 /health within probe_interval.",
+        "idle; a refused connection or a non-200 /health within probe_interval. Raise it where one prefill may "
+        "outlast it (very long prompts on a CPU engine).",
     )
 
 

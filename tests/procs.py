@@ -285,8 +285,13 @@ class FakeEngineControl:
         """Forget recorded requests and counters (not in-flight gauges) and make /health answer 200 again."""
         self._call("POST", "/_test/reset")
 
-    def set_health(self, status: int, hang: bool = False) -> None:
-        self._call("POST", "/_test/health", {"status": status, "hang": hang})
+    def set_health(self, status: int, hang: bool = False, delay: float = 0.0) -> None:
+        """/health answers `status` after `delay` s (an API server saturated by load), or never (`hang`)."""
+        self._call("POST", "/_test/health", {"status": status, "hang": hang, "delay": delay})
+
+    def freeze(self, frozen: bool = True) -> None:
+        """Stop (or resume) generation while /health keeps answering: a stopped engine core."""
+        self._call("POST", "/_test/freeze", {"frozen": frozen})
 
     async def arequests(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = await self._acall("GET", "/_test/requests")
@@ -303,8 +308,11 @@ class FakeEngineControl:
     async def areset(self) -> None:
         await self._acall("POST", "/_test/reset")
 
-    async def aset_health(self, status: int, hang: bool = False) -> None:
-        await self._acall("POST", "/_test/health", {"status": status, "hang": hang})
+    async def aset_health(self, status: int, hang: bool = False, delay: float = 0.0) -> None:
+        await self._acall("POST", "/_test/health", {"status": status, "hang": hang, "delay": delay})
+
+    async def afreeze(self, frozen: bool = True) -> None:
+        await self._acall("POST", "/_test/freeze", {"frozen": frozen})
 
 
 def run_gateway(
