@@ -11,7 +11,7 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsError
 
 from gateway.cli import build_parser, load_settings, main
-from gateway.settings import DEFAULT_SYSTEM_MESSAGE, RedisSettings, RelaySettings, Settings
+from gateway.settings import DEFAULT_SYSTEM_MESSAGE, RedisSettings, RelaySettings, Settings, unknown_variables
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -232,3 +232,26 @@ def test_cli_reports_invalid_configuration_and_exits_2(
     monkeypatch.setenv(env, value)
     assert main(["serve"]) == 2
     assert "invalid configuration" in capsys.readouterr().err
+
+
+def test_engine_probe_interval_is_the_deprecated_name_of_health_interval(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # RelaySettings.probe_interval (the gateway's /health poll) keeps its name; the engine's was renamed.
+    monkeypatch.setenv("NEMOTRON_ENGINE__PROBE_INTERVAL", "7")
+    with caplog.at_level("WARNING", logger="gateway.settings"):
+        settings = Settings()
+    assert settings.engine.health_interval == 7.0
+    assert "use NEMOTRON_ENGINE__HEALTH_INTERVAL" in caplog.text
+    assert Settings(engine={"health_interval": 3}).engine.health_interval == 3.0
+
+
+def test_unknown_variables_name_the_closest_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEMOTRON_REDIS_ULR", "redis://x")
+    monkeypatch.setenv("NEMOTRON_PORT", "9000")  # a setting: no warning
+    monkeypatch.setenv("NEMOTRON_TEST_REDIS_URL", "redis://y")  # the test suite's own: no warning
+    env_file = write_env_file(tmp_path, "# comment\nexport NEMOTRON_RELAY__CHUNK_TIMOUT=3\nNEMOTRON_HOST=0.0.0.0\n")
+    warnings = unknown_variables(env_file)
+    assert len(warnings) == 2, warnings
+    assert "NEMOTRON_REDIS_ULR (in the environment) is not a setting; did you mean NEMOTRON_REDIS_URL?" in warnings
+    assert any("NEMOTRON_RELAY__CHUNK_TIMOUT" in w and "NEMOTRON_RELAY__CHUNK_TIMEOUT?" in w for w in warnings)

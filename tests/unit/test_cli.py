@@ -1,0 +1,101 @@
+"""The command line: each verb loads only what it runs; unknown NEMOTRON_* names are warned about at start."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway import cli
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the web app brings: ~0.6 s of imports that `keys list` used to pay (issue 13).
+WEB_STACK = ["fastapi", "starlette", "uvicorn", "aiohttp", "gateway.app", "gateway.server", "gateway.relay"]
+_PROBE = """
+import json, sys
+from gateway import cli
+verb = sys.argv[1:]
+cli.build_parser(cli._verb_of(verb)).parse_args(verb)
+cli._verb_module(verb[0])
+print(json.dumps(sorted(m for m in json.loads(sys.stdin.read()) if m in sys.modules)))
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("NEMOTRON_"):
+            monkeypatch.delenv(name)
+
+
+def loaded_after(*argv: str) -> list[str]:
+    """Which of WEB_STACK a fresh interpreter has loaded after parsing `argv` and importing the verb's module."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, *argv],
+        input=json.dumps(WEB_STACK),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=25,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return list(json.loads(result.stdout))
+
+
+@pytest.mark.parametrize("argv", [["keys", "list"], ["engine", "status"], ["doctor"]])
+def test_verbs_without_the_web_app_do_not_import_it(argv: list[str]) -> None:
+    assert loaded_after(*argv) == []
+
+
+def test_serve_does_import_the_web_app() -> None:
+    # The probe itself works: the one verb that runs the app loads it.
+    assert "gateway.app" in loaded_after("serve")
+
+
+def test_every_verb_names_a_module_with_its_functions() -> None:
+    expected = {
+        "serve": ["serve"],
+        "engine": ["run_engine", "show_status", "show_profiles"],
+        "up": ["run_up"],
+        "keys": ["add_keys_parser", "run_keys"],
+        "doctor": ["add_doctor_parser", "run_doctor"],
+    }
+    for verb, names in expected.items():
+        module = importlib.import_module(cli._VERB_MODULES[verb])
+        assert all(callable(getattr(module, name)) for name in names), verb
+
+
+def test_top_level_help_lists_every_verb_without_loading_them(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser("keys").parse_args(["--help"])
+    out = capsys.readouterr().out
+    for verb in ("serve", "engine", "keys", "demo-model", "doctor", "up"):
+        assert verb in out
+
+
+def test_misspelt_variable_is_warned_with_the_closest_setting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("NEMOTRON_REDIS_ULR", "redis://elsewhere:6379/0")
+    assert cli.main(["engine", "profiles"]) == 0
+    err = capsys.readouterr().err
+    assert "NEMOTRON_REDIS_ULR (in the environment) is not a setting; did you mean NEMOTRON_REDIS_URL?" in err
+
+
+def test_misspelt_env_file_line_is_named_before_the_configuration_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env_file = tmp_path / "gateway.env"
+    env_file.write_text("NEMOTRON_ENGINE__SERVED_MODEL_NAM=nemo\n")
+    assert cli.main(["engine", "profiles", "--env-file", str(env_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"NEMOTRON_ENGINE__SERVED_MODEL_NAM (in the {env_file}) is not a setting" in err
+    assert "did you mean NEMOTRON_ENGINE__SERVED_MODEL_NAME?" in err
