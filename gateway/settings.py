@@ -256,6 +256,41 @@ class EngineSettings(_Group):
         return data
 
 
+class HttpSettings(_Group):
+    """What one client may cost the gateway's HTTP server before it is cut off (`NEMOTRON_HTTP__<FIELD>`)."""
+
+    max_head_bytes: int = Field(
+        16 * 1024,
+        ge=1024,
+        description="Largest request line plus headers accepted; a longer head is answered 431 and the connection "
+        "closed before it is buffered further (an unbounded head costs seconds of CPU for everyone).",
+    )
+    head_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a client has to send a whole request head, counted from the connection's start or from "
+        "its request's first byte; a slower one (slowloris) gets 408 and is closed. The idle time between two "
+        "requests of a kept-alive connection is uvicorn's keep-alive timeout (5 s), unchanged.",
+    )
+    body_chunk_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a request body may stall between two chunks before the request is answered 408.",
+    )
+    body_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a whole request body may take to arrive (from the end of its head) before it is "
+        "answered 408; the connection is closed if the body is still arriving a second later.",
+    )
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="Most client connections held at once; a connection beyond it is answered 503 at once and "
+        "closed, with a rate-limited warning. Unset: the process's open-file limit (RLIMIT_NOFILE) less room for "
+        "the engine and Redis pools and logs, at least half of it, so a flood cannot take the last file descriptor.",
+    )
+
 
 class Settings(BaseSettings):
     """The gateway's configuration: environment variables `NEMOTRON_<FIELD>`, an optional env file, or flags.
@@ -300,6 +335,18 @@ class Settings(BaseSettings):
     inject_system_message: bool = Field(True, description="Whether to insert `default_system_message`.")
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request) accepted.")
+    max_messages: int = Field(
+        2048,
+        ge=1,
+        description="Most chat messages (or prompts in a batch) one request may carry; counted right after the JSON "
+        "is parsed, before the costly per-message checks.",
+    )
+    offload_body_bytes: int = Field(
+        64 * 1024,
+        ge=0,
+        description="Bodies larger than this are parsed and validated in a worker thread, so a large body never "
+        "holds the event loop (and every other request) for more than a moment.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Write one access-log line per request.")
     shutdown_grace: float = Field(
@@ -316,6 +363,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     limits: RateLimitSettings = Field(default_factory=RateLimitSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
 
     @field_validator("engine_url")
     @classmethod
