@@ -338,8 +338,8 @@ class Settings(BaseSettings):
     max_messages: int = Field(
         2048,
         ge=1,
-        description="Most chat messages (or prompts in a batch) one request may carry; counted right after the JSON "
-        "is parsed, before the costly per-message checks.",
+        description="Most chat messages (or prompts in a batch) one request may carry; checked before the costly "
+        "per-message checks: on the raw body (its \"role\" keys) before it is even parsed, and exactly after.",
     )
     offload_body_bytes: int = Field(
         64 * 1024,
@@ -355,7 +355,7 @@ class Settings(BaseSettings):
     trusted_proxies: str = Field(
         "127.0.0.1",
         description="Comma-separated addresses (or *) whose X-Forwarded-For is believed for the client address "
-        "(nginx on this machine).",
+        "(nginx on this machine); a forwarded value that is not an IPv4 or IPv6 address is ignored.",
     )
 
     relay: RelaySettings = Field(default_factory=RelaySettings)
