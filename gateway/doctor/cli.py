@@ -20,11 +20,7 @@ from gateway.doctor.report import exit_code, render_json, render_table
 from gateway.doctor.runner import doctor_config, run_checks
 from gateway.settings import Settings
 from gateway.supervisor.profiles import ProfileError, load_profiles, select_profile
-
-# In the supervisor's state dir: the settings `make run` (scripts/run) started the stack with, and the
-# supervisor's status file (supervisor/cli.py writes it under the same name).
-RUN_ENV = "run.env"
-STATUS_FILE = "engine.json"
+from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE
 
 
 def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -48,12 +44,12 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def running_settings(args: argparse.Namespace, settings: Settings) -> tuple[Settings, Path | None]:
-    """The settings of the stack `make run` started (its env file in the state dir), when no --env-file is given.
+    """The settings of the running supervisor (the env file it writes in its state dir), when no --env-file is given.
 
     Without them a hand-run doctor would check the default profile, Redis URL and model instead of the running
     ones. The doctor's own flags still win, as they do over any env file.
     """
-    run_env = settings.engine.state_dir / RUN_ENV
+    run_env = settings.engine.state_dir / RUNNING_ENV
     if getattr(args, "env_file", None) is not None or not run_env.is_file():
         return settings, None
     engine = {"model": args.model, "profile": args.profile, "port": args.engine_port}
@@ -70,7 +66,7 @@ def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
         settings, run_env = running_settings(args, settings)
     except (ValidationError, SettingsError) as exc:
         sys.stderr.write(
-            f"nemotron-gateway doctor: invalid settings in {settings.engine.state_dir / RUN_ENV}:\n{exc}\n"
+            f"nemotron-gateway doctor: invalid settings in {settings.engine.state_dir / RUNNING_ENV}:\n{exc}\n"
         )
         return 2
     if run_env is not None:

@@ -1,5 +1,5 @@
 """`nemotron-gateway doctor` run by hand next to a running stack: a real supervisor with the fake engine, the
-settings `make run` left in the state dir, and the doctor as a user runs it (a subprocess, no flags)."""
+settings it wrote to its state dir, and the doctor as a user runs it (a subprocess, no flags)."""
 
 from __future__ import annotations
 
@@ -38,14 +38,9 @@ def run_doctor_by_hand(state_dir: Path, tmp_path: Path) -> tuple[int, dict[str, 
 def test_doctor_after_make_run_checks_the_running_stack(tmp_path: Path, redis_url: str) -> None:
     state_dir, port = tmp_path / "state", free_port()
     model = write_model(tmp_path / "model")
-    running = {
-        "NEMOTRON_ENGINE__MODEL": str(model),
-        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
-        "NEMOTRON_ENGINE__PORT": str(port),
-        "NEMOTRON_REDIS_URL": redis_url,
-    }
-    with start_supervisor(state_dir, port, NEMOTRON_ENGINE__MODEL=str(model)):
-        (state_dir / "run.env").write_text("".join(f"{k}={v}\n" for k, v in running.items()))
+    # The supervisor writes the settings it runs with to <state_dir>/run.env itself.
+    with start_supervisor(state_dir, port, NEMOTRON_ENGINE__MODEL=str(model), NEMOTRON_REDIS_URL=redis_url):
+        assert (state_dir / "run.env").is_file()
         code, rows, err = run_doctor_by_hand(state_dir, tmp_path)
         engine_pid = status(state_dir)["engine_pid"]
     assert rows["engine port"]["status"] == "pass", rows["engine port"]
