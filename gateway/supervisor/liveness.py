@@ -20,6 +20,9 @@ from gateway.supervisor.state import RestartCause
 
 # vLLM's Prometheus names (vllm/v1/metrics/loggers.py): counters get `_total` in the exposition.
 _TOKENS = re.compile(r"^vllm:(?:generation|prompt)_tokens_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
+# Marks the idle probe's request in vLLM's access log (the query string is logged, and ignored by vLLM's
+# routes), so the supervisor can leave those lines out of its output.
+PROBE_MARK = "source=nemotron-supervisor"
 _RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
 
@@ -59,7 +62,7 @@ class Liveness:
         self.client = client
         base = f"http://127.0.0.1:{settings.port}"
         self._metrics_url = f"{base}/metrics"
-        self._completions_url = f"{base}/v1/completions"
+        self._completions_url = f"{base}/v1/completions?{PROBE_MARK}"
         self._tokens: float | None = None
         self._failures = 0
         self.last_progress = time.monotonic()

@@ -25,7 +25,7 @@ import httpx
 
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import EngineSettings
-from gateway.supervisor.liveness import Liveness, Verdict
+from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
 from gateway.supervisor.process import GuardedProcess
 from gateway.supervisor.state import STATUS_FILE, EngineState, EngineStatus, RestartCause, RestartRecord
 
@@ -55,7 +55,7 @@ class EngineSupervisor:
         self.env = dict(env)
         self.status = status
         self.metrics = metrics
-        self.on_line = on_line or _echo
+        self._echo = on_line or _echo
         self.should_exit = asyncio.Event()
         self.force_exit = False
         self.process: GuardedProcess | None = None
@@ -82,6 +82,11 @@ class EngineSupervisor:
             if self.process is not None:
                 self._kill_task = asyncio.ensure_future(self.process.kill())
         self.should_exit.set()
+
+    def on_line(self, line: str) -> None:
+        """One line of engine output, unless it is the access line of our own idle probe (one every few s)."""
+        if PROBE_MARK not in line:
+            self._echo(line)
 
     # --- state ----------------------------------------------------------------------------------
 
