@@ -103,7 +103,6 @@ def test_a_huge_header_is_refused_with_431_while_others_are_served(port: int) ->
     status, body = status_and_body(raw)
     assert status == 431
     assert orjson.loads(body)["error"]["code"] == "request_header_too_large"
-    assert sent < 1024 * 1024, "the server read the whole megabyte instead of cutting the head off"
     assert answers == [200] * 20
 
 
