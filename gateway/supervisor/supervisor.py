@@ -189,7 +189,8 @@ class EngineSupervisor:
                     continue
                 if verdict.cause is not None:
                     # A refused connection is often an exit on its way: the exit code tells more.
-                    await asyncio.wait((exited,), timeout=_EXIT_GRACE)
+                    if verdict.failed:
+                        await asyncio.wait((exited,), timeout=_EXIT_GRACE)
                     if exited.done():
                         return self._ended(RestartCause.CRASH, "exited")
                     await self.process.kill()
