@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -11,6 +13,7 @@ import orjson
 import pytest
 
 from gateway.metrics import GatewayMetrics
+from gateway.relay import sse as sse_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.sse import KEEP_ALIVE, ClientDisconnectedError, SSERelay, run_until_disconnect
@@ -407,3 +410,15 @@ async def test_run_until_disconnect_propagates_outer_cancellation_and_cancels_wo
     with pytest.raises(asyncio.CancelledError):
         await outer
     await asyncio.wait_for(cancelled.wait(), 1.0)
+
+
+def test_the_stream_relay_reads_through_the_client_and_never_imports_aiohttp() -> None:
+    # aiohttp's errors are mapped once, in relay/client.py; the relay only sees gateway errors.
+    source = Path(sse_module.__file__).read_text()
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
+    assert "aiohttp" not in imported
