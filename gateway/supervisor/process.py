@@ -166,6 +166,7 @@ class GuardedProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
         self._command_pid: int | None = None
+        self._shm_seen: set[int] = set()
         self.stopping = False
 
     @property
@@ -215,13 +216,31 @@ class GuardedProcess:
                 self._on_line(line)
 
     async def wait(self) -> int:
-        """Wait for the command (and its guard) to end; its exit code."""
+        """Wait for the command (and its reaper) to end; its exit code."""
         assert self._proc is not None
         code = await self._proc.wait()
         if self._reader is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(self._reader, 2.0)
+        if code < 0 and self._shm_seen:
+            # The reaper was killed with its group (`kill -9 -PGID`, the OOM killer): nobody removed the group's
+            # /dev/shm files, so we do, once the group is gone (remove_files spares any a live process holds).
+            await self._wait_group_gone(self._proc.pid)
+            removed = remove_files(set(), self._shm_seen)
+            logger.warning("process group %d was killed; removed %d /dev/shm file(s) it held", self._proc.pid, removed)
+            self._shm_seen = set()
         return code
+
+    def sample_shared_memory(self) -> None:
+        """Remember the /dev/shm files the group holds now, for when the whole group, reaper included, dies."""
+        if self._proc is not None and self._proc.returncode is None:
+            self._shm_seen |= shared_memory_inodes(group_members(self._proc.pid))
+
+    @staticmethod
+    async def _wait_group_gone(pgid: int, within: float = 5.0) -> None:
+        deadline = time.monotonic() + within
+        while group_members(pgid) and time.monotonic() < deadline:  # noqa: ASYNC110  # no event exists for non-child exits
+            await asyncio.sleep(0.02)
 
     async def stop(self) -> int | None:
         """SIGTERM the group (the reaper then waits `grace` and SIGKILLs the rest); SIGKILL if the reaper hangs."""
@@ -257,7 +276,5 @@ class GuardedProcess:
             logger.error("reaper %d did not exit after its command was killed; killing it", reaper)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(reaper, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while group_members(reaper) and time.monotonic() < deadline:  # noqa: ASYNC110  # no event exists for non-child exits
-            await asyncio.sleep(0.02)
+        await self._wait_group_gone(reaper)
         remove_files(shm, inodes)

@@ -153,6 +153,7 @@ class EngineSupervisor:
             if now >= next_progress:
                 logger.info("engine starting: %.0f s elapsed; last line: %s", now - started, self.process.last_line)
                 next_progress = now + _PROGRESS_EVERY
+            self.process.sample_shared_memory()
             if await self._probe(client) is None:
                 logger.info("engine ready after %.1f s", time.monotonic() - started)
                 return None
@@ -167,11 +168,14 @@ class EngineSupervisor:
         exited: asyncio.Future[Any] = asyncio.ensure_future(self.process.wait())
         stop: asyncio.Future[Any] = asyncio.ensure_future(self.should_exit.wait())
         check: asyncio.Future[Any] | None = None
+        self.process.sample_shared_memory()
         try:
             while True:
                 done, _ = await asyncio.wait(
                     (exited, stop), timeout=self.settings.health_interval, return_when=asyncio.FIRST_COMPLETED
                 )
+                if not done:
+                    self.process.sample_shared_memory()
                 # The check races the exit and the stop: a probe waiting on a frozen engine must not delay either.
                 check = asyncio.ensure_future(liveness.check()) if not done else None
                 if check is not None:

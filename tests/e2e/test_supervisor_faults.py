@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from gateway.supervisor.process import held_inodes
-from tests.e2e.supervised import group_alive, start_supervisor, status
+from tests.e2e.supervised import fake_shm_files, group_alive, start_supervisor, status
 from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -155,3 +155,14 @@ def test_up_restarts_an_exited_gateway_and_keeps_the_engine(
     assert "restarting it in" in log
     # The supervisor's checks (every 0.3 s here) leave no trace in the log: no httpx line per request.
     assert "HTTP Request:" not in log
+
+
+def test_group_killed_from_outside_leaves_no_shared_memory(state_dir: Path) -> None:
+    # `kill -9 -PGID` or the OOM killer takes the reaper too: the supervisor removes what the group held.
+    port = free_port()
+    before = fake_shm_files()
+    with start_supervisor(state_dir, port, NEMOTRON_ENGINE__EXTRA_ARGS='["--spawn-child"]'):
+        left = wait_until(lambda: fake_shm_files() - before, timeout=10)
+        os.killpg(int(str(status(state_dir)["group_pid"])), signal.SIGKILL)
+        wait_until(lambda: status(state_dir).get("restarts") == 1, timeout=30)
+        wait_until(lambda: not left & fake_shm_files(), timeout=10, message=f"{sorted(left)} survived the kill")
