@@ -2,6 +2,7 @@
 
 Both answer HEAD too (load balancers probe with it). /ready costs the engine nothing: it reads the
 monitor's cached view, and Redis is pinged at most once per `Readiness.ttl` however often it is asked.
+A draining gateway (stop signal received, gateway/server.py sets `Readiness.draining`) is not ready.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ router = APIRouter()
 
 
 class Readiness:
-    """Redis's ping result, kept for `ttl` seconds; concurrent callers share one ping."""
+    """Redis's ping result, kept for `ttl` seconds; concurrent callers share one ping. `draining` is set by
+    the server once a stop signal arrived: the process finishes what it has and takes nothing new."""
 
     def __init__(self, ttl: float = 1.0) -> None:
         self.ttl = ttl
+        self.draining = False
         self._checked_at = -float("inf")
         self._reason: str | None = None
         self._running: asyncio.Future[str | None] | None = None
@@ -53,13 +56,16 @@ async def health() -> Response:
 
 @router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> Response:
-    """Readiness: 200 only when the engine is known ready (the monitor's cached view) and Redis answers."""
+    """Readiness: 200 only when the engine is known ready (the monitor's cached view), Redis answers and the
+    gateway is not draining."""
     services = get_services(request)
     readiness: Readiness = request.app.state.readiness
     engine_reason = services.monitor.ready_reason()
     redis_reason = await readiness.redis(services.check_redis)
-    body = {
-        "status": "ready" if engine_reason is None and redis_reason is None else "not_ready",
+    ready = engine_reason is None and redis_reason is None and not readiness.draining
+    body: dict[str, object] = {
+        "status": "ready" if ready else "draining" if readiness.draining else "not_ready",
+        "draining": readiness.draining,
         "engine": {"ok": engine_reason is None, "reason": engine_reason},
         "redis": {"ok": redis_reason is None, "reason": redis_reason},
     }
