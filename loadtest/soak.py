@@ -1,6 +1,6 @@
 """A bounded soak: mixed streamed and non-streamed traffic through the gateway, API key and limits on, for
-minutes, with the gateway's RSS and open file descriptors sampled every few seconds. Exits 1 when either
-grows past its tolerance after the warm-up, when a request fails, or when requests stay in flight after.
+minutes, with the RSS and open file descriptors of the gateway's processes sampled every few seconds. Exits 1
+when either grows past its tolerance after the warm-up, when a request fails, or when requests stay in flight.
 
     python -m loadtest.soak [--duration 180] [--engine-url URL] [--redis-url URL]
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import re
@@ -73,6 +74,18 @@ class Tally:
     statuses: Counter[str] = field(default_factory=Counter)
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (the gateway may serve from forked worker processes)."""
+    tree, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        tree.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.scandir(f"/proc/{current}/task"):
+                queue += [int(child) for child in Path(task.path, "children").read_text().split()]
+    return tree
+
+
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -81,7 +94,12 @@ def _rss_mb(pid: int) -> float:
 
 
 def _sample(pid: int, started: float) -> Sample:
-    return Sample(round(time.monotonic() - started, 2), round(_rss_mb(pid), 2), len(os.listdir(f"/proc/{pid}/fd")))
+    """RSS and open fds summed over the gateway's processes."""
+    rss, fds = 0.0, 0
+    for member in _process_tree(pid):
+        with contextlib.suppress(OSError):  # a worker that just exited
+            rss, fds = rss + _rss_mb(member), fds + len(os.listdir(f"/proc/{member}/fd"))
+    return Sample(round(time.monotonic() - started, 2), round(rss, 2), fds)
 
 
 async def _one(
@@ -124,8 +142,12 @@ async def _sampler(pid: int, options: Options, started: float, stop_at: float, s
 
 
 async def _in_flight(client: httpx.AsyncClient) -> float:
-    found = _IN_FLIGHT.search((await client.get("/metrics")).content)
-    return float(found.group(1)) if found else float("nan")
+    """The highest in-flight gauge of several scrapes, each on a new connection so that every worker answers."""
+    highest = 0.0
+    for _ in range(8):
+        found = _IN_FLIGHT.search((await client.get("/metrics", headers={"Connection": "close"})).content)
+        highest = max(highest, float(found.group(1)) if found else float("nan"))
+    return highest
 
 
 async def soak(options: Options, gateway_url: str, headers: dict[str, str], pid: int) -> dict[str, Any]:

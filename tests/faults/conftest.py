@@ -70,6 +70,11 @@ def in_flight(gateway_url: str) -> float:
     return float(found.group(1))
 
 
+def in_flight_settled(gateway_url: str, baseline: float) -> bool:
+    """The gauge is back to `baseline` in several scrapes, each on a new connection, so every worker answers."""
+    return all(in_flight(gateway_url) <= baseline for _ in range(8))
+
+
 def chat_body(*, stream: bool = True, max_tokens: int = 2000, token_delay: float = 0.02) -> dict[str, Any]:
     """A chat request the fake engine answers with `max_tokens` tokens, `token_delay` seconds apart."""
     return {

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.faults.conftest import Figures, chat_body, gateway_on, in_flight
+from tests.faults.conftest import Figures, chat_body, gateway_on, in_flight, in_flight_settled
 from tests.procs import FakeEngineControl, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
@@ -70,6 +70,6 @@ def test_fifty_clients_killed_mid_stream_leave_nothing_held(
         wait_until(engine_idle, timeout=10, message=f"the engine still runs streams: {fault_engine.stats()}")
         figures("clients_killed.engine_idle_after_s", time.monotonic() - killed_at, "s", f"{CLIENTS} streams")
         wait_until(lambda: gateway.leases() == 0, timeout=5, message=f"{gateway.leases()} slots still held")
-        wait_until(lambda: in_flight(gateway.url) <= baseline, timeout=5, message="the in-flight gauge leaked")
+        wait_until(lambda: in_flight_settled(gateway.url, baseline), timeout=5, message="the in-flight gauge leaked")
         figures("clients_killed.all_released_after_s", time.monotonic() - killed_at, "s", "engine, slots, gauge")
         assert fault_engine.stats()["disconnects"] == CLIENTS, "every engine request saw its client leave"

@@ -32,6 +32,7 @@ from tests.faults.conftest import (
     create_key,
     gateway_on,
     in_flight,
+    in_flight_settled,
     lease_count,
     read_stream,
 )
@@ -169,7 +170,7 @@ async def test_engine_sigkill_with_streams_open(up_stack: UpStack, figures: Figu
         await async_wait_until(
             lambda: lease_count(up_stack.redis_url, up_stack.key_name) == 0, within=5, message="a slot leaked"
         )
-        await async_wait_until(lambda: in_flight(up_stack.url) <= baseline, within=5, message="in-flight leaked")
+        await async_wait_until(lambda: in_flight_settled(up_stack.url, baseline), within=5, message="in-flight leaked")
         # The gateway may be served before the supervisor's own probe has seen the new engine ready.
         await async_wait_until(lambda: status(up_stack.state_dir).get("state") == "ready", within=10)
         assert status(up_stack.state_dir)["restarts"] == 1
@@ -202,7 +203,9 @@ async def test_engine_api_server_sigstop_then_sigcont(redis_url: str, figures: F
             figures("engine_sigstop.first_503_after_stop_s", refused_at - stopped_at, "s")
             figures("engine_sigstop.recovery_after_sigcont_s", recovered_at - continued_at, "s", "SIGCONT to first 200")
             await async_wait_until(lambda: gateway.leases() == 0, within=5, message="a slot leaked")
-            await async_wait_until(lambda: in_flight(gateway.url) <= baseline, within=5, message="in-flight leaked")
+            await async_wait_until(
+                lambda: in_flight_settled(gateway.url, baseline), within=5, message="in-flight leaked"
+            )
 
 
 async def first_refusal(client: httpx.AsyncClient, url: str, headers: dict[str, str], deadline: float) -> float:
