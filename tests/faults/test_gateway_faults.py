@@ -66,7 +66,8 @@ async def test_sigterm_lets_short_streams_finish_and_ends_long_ones_with_an_erro
             assert outcome.ended_at - term_at >= GRACE - 0.5, f"long stream {index} ended before the grace was over"
         figures("gateway_sigterm.long_streams_ended_after_s", max(o.ended_at for o in outcomes) - term_at, "s")
         await async_wait_until(lambda: not gateway.proc.running, within=GRACE + 10, message="gateway did not exit")
-        assert gateway.proc.stop() == 0
+        # uvicorn re-raises the signal once it has shut down: death by SIGTERM is its clean exit.
+        assert gateway.proc.stop() in (0, -signal.SIGTERM)
         await async_wait_until(
             lambda: lease_count(redis_url, gateway.key_name) == 0, within=5, message="a stopped gateway left slots"
         )
