@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from gateway.supervisor.process import group_members, remove_files, shared_memory_of
-from tests.e2e.test_supervisor import engine_env, status
+from tests.e2e.supervised import engine_env, status
 from tests.faults.conftest import (
     GATEWAY_ENV,
     MODEL,
