@@ -71,12 +71,16 @@ def _add_serve(verbs: Any) -> None:
 def _add_engine(verbs: Any) -> None:
     engine = verbs.add_parser("engine", help=_VERB_HELP["engine"])
     add_engine_arguments(engine)
+    engine.add_argument(
+        "--print-argv", action="store_true", help="print the engine's command line and environment; start nothing"
+    )
     _add_common(engine)
-    engine_verbs = engine.add_subparsers(dest="engine_verb", metavar="[status|profiles]")
+    engine_verbs = engine.add_subparsers(dest="engine_verb", metavar="[status|profiles|presets]")
     status = engine_verbs.add_parser("status", help="the supervisor's state; exit 0 when the engine is ready")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     _add_common(status)
     _add_common(engine_verbs.add_parser("profiles", help="list the engine profiles and their vLLM flags"))
+    _add_common(engine_verbs.add_parser("presets", help="list the model presets, their flags and reasoning switch"))
 
 
 def _add_keys(verbs: Any) -> None:
@@ -152,6 +156,10 @@ def _run_engine_verb(args: argparse.Namespace, settings: Settings) -> int:
         return int(module.show_status(settings, as_json=args.json))
     if args.engine_verb == "profiles":
         return int(module.show_profiles(settings))
+    if args.engine_verb == "presets":
+        return int(module.show_presets(settings))
+    if args.print_argv:
+        return int(module.print_argv(settings))
     return int(module.run_engine(settings))
 
 

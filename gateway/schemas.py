@@ -11,8 +11,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
-ROLES = ("system", "user", "assistant", "tool")
-Role = Literal["system", "user", "assistant", "tool"]
+# `developer` is OpenAI's newer name for `system` (current SDK examples, agent frameworks); sent on as `system`.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+# OpenAI's `reasoning_effort` values; "none" and "minimal" switch reasoning off, the rest on (gateway/reasoning.py).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class _Strict(BaseModel):
@@ -33,7 +36,7 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """A chat message: role exactly one of system, user, assistant, tool."""
+    """A chat message: role exactly one of system, developer, user, assistant, tool."""
 
     role: Role
     content: StrictStr | list[ContentPart] | None = None
@@ -56,6 +59,12 @@ class ChatMessage(_Strict):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (a string)")
         return self
+
+
+class ReasoningToggle(_Strict):
+    """`"reasoning": {"enabled": bool}`: the gateway's explicit reasoning switch."""
+
+    enabled: bool
 
 
 class StreamOptions(_Strict):
@@ -110,6 +119,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    reasoning: ReasoningToggle | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):

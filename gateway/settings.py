@@ -196,6 +196,11 @@ class EngineSettings(_Group):
     served_model_name: str = Field("nemotron", description="The model name clients send (vLLM's --served-model-name).")
     port: int = Field(8001, ge=1, le=65535, description="Port of the engine on 127.0.0.1 (never exposed).")
     profile: str = Field("balanced", description="Engine profile (see `nemotron-gateway engine profiles`).")
+    preset: str = Field(
+        "generic",
+        description="Model preset (see `nemotron-gateway engine presets`): the model's parsers, chat template, "
+        "context length and reasoning switch; combines with the profile. The gateway reads its reasoning switch.",
+    )
     profiles_file: Path | None = Field(None, description="The operator's TOML file of extra or changed profiles.")
     extra_args: tuple[str, ...] = Field((), description="Further `vllm serve` flags (JSON list), after the profile's.")
     python: str | None = Field(None, description="Python interpreter that has vLLM (default: the gateway's own).")

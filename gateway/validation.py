@@ -1,9 +1,9 @@
 """Turns a client's request body into the body sent to the engine, or a clear 400.
 
-Checks the Nemotron pitfalls (see DESIGN.md) and applies policy: model aliases, the default system
-message, usage always requested in streams. Cheap checks (the message count) come before costly ones,
-and a large body is prepared in a worker thread. Imports settings, errors, schemas and the relay's
-ModelInfo only.
+Checks the Nemotron pitfalls (see DESIGN.md) and applies policy: model aliases, `developer` sent as `system`,
+the default system message, the reasoning switch in the served model's convention, usage always requested in
+streams. Cheap checks (the message count) come before costly ones, and a large body is prepared in a worker
+thread. Imports settings, errors, schemas, reasoning and the relay's ModelInfo only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.reasoning import apply_reasoning, served_switch
 from gateway.relay.model import ModelInfo
 from gateway.schemas import ROLES, ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings
@@ -322,8 +323,13 @@ def prepare_chat(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRe
 
     def policy(data: dict[str, Any]) -> int:
         messages: list[dict[str, Any]] = data["messages"]
+        for message in messages:
+            if message["role"] == "developer":  # OpenAI's newer name for it; chat templates know `system`
+                message["role"] = "system"
         if settings.inject_system_message and not any(m["role"] == "system" for m in messages):
             data["messages"] = [{"role": "system", "content": settings.default_system_message}, *messages]
+        # After the default message is in: a switch that lives in the system prompt is merged into it.
+        apply_reasoning(data, served_switch(settings.engine))
         return sum(_text_length(m.get("content")) for m in data["messages"]) // _CHARS_PER_TOKEN + 1
 
     return _prepare(body, _CHAT, settings, info, policy)

@@ -19,7 +19,8 @@ from pydantic_settings import SettingsError
 from gateway.doctor.report import exit_code, render_json, render_table
 from gateway.doctor.runner import doctor_config, run_checks
 from gateway.settings import Settings
-from gateway.supervisor.profiles import ProfileError, load_profiles, select_profile
+from gateway.supervisor.presets import engine_profile
+from gateway.supervisor.profiles import ProfileError
 from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE
 
 
@@ -74,7 +75,7 @@ def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
     if args.profile is not None:
         settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"profile": args.profile})})
     try:
-        profile = select_profile(load_profiles(settings.engine.profiles_file), settings.engine.profile)
+        profile, _ = engine_profile(settings.engine)
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway doctor: {exc}\n")
         return 2

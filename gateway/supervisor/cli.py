@@ -1,4 +1,5 @@
-"""The supervisor's verbs: `engine` (foreground supervisor), `engine status`, `engine profiles`, and `up`.
+"""The supervisor's verbs: `engine` (foreground supervisor), `engine status`, `engine profiles`, `engine presets`,
+`engine --print-argv` (the command line, nothing started), and `up`.
 
 `up` runs the supervisor in this process and the gateway (`nemotron-gateway serve`) as a guarded child:
 one foreground process tree for a single machine. A gateway that exits by itself is restarted with
@@ -16,9 +17,10 @@ import json
 import logging
 import os
 import random
+import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from prometheus_client import start_http_server
@@ -28,6 +30,7 @@ from gateway.metrics import SupervisorMetrics
 from gateway.settings import Settings, unknown_variables
 from gateway.supervisor.flags import add_engine_arguments, engine_overrides
 from gateway.supervisor.launch import prepare
+from gateway.supervisor.presets import load_presets
 from gateway.supervisor.process import GuardedProcess
 from gateway.supervisor.profiles import Profile, ProfileError, load_profiles
 from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
@@ -40,7 +43,7 @@ _GATEWAY_BACKOFF_INITIAL = 1.0
 _GATEWAY_BACKOFF_MAX = 30.0
 _GATEWAY_STABLE = 60.0
 # The engine settings written to RUNNING_ENV.
-_RUNNING_FIELDS = ("model", "profile", "profiles_file", "served_model_name", "port", "state_dir")
+_RUNNING_FIELDS = ("model", "profile", "preset", "profiles_file", "served_model_name", "port", "state_dir")
 
 
 def _status_path(settings: Settings) -> Path:
@@ -113,8 +116,38 @@ def show_profiles(settings: Settings) -> int:
     for name, profile in profiles.items():
         if profile.hidden:
             continue
-        flags = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in profile.flags.items() if v is not False)
-        sys.stdout.write(f"{name}\n  {profile.description}\n  {flags}\n")
+        sys.stdout.write(f"{name}\n  {profile.description}\n  {_flags_text(profile.flags)}\n")
+    return 0
+
+
+def _flags_text(flags: Mapping[str, object]) -> str:
+    return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items() if v is not False)
+
+
+def show_presets(settings: Settings) -> int:
+    """List the model presets: flags, context length and how each model switches reasoning."""
+    try:
+        presets = load_presets(settings.engine.profiles_file)
+    except ProfileError as exc:
+        sys.stderr.write(f"nemotron-gateway: {exc}\n")
+        return 2
+    for name, preset in presets.items():
+        length = preset.context_length or "from the model's config"
+        sys.stdout.write(f"{name}\n  {preset.description}\n  model: {preset.model or '-'}; context: {length}; ")
+        sys.stdout.write(f"reasoning switch: {preset.reasoning.value}\n  {_flags_text(preset.flags) or '-'}\n")
+    return 0
+
+
+def print_argv(settings: Settings) -> int:
+    """`engine --print-argv`: the engine's command line and the environment it adds, flags checked; starts nothing."""
+    try:
+        _, argv, env = prepare(settings)
+    except ProfileError as exc:
+        sys.stderr.write(f"nemotron-gateway engine: {exc}\n")
+        return 2
+    added = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    sys.stdout.write(shlex.join(argv) + "\n")
+    sys.stdout.write("".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(added.items())))
     return 0
 
 
@@ -174,6 +207,8 @@ def _gateway_env(settings: Settings) -> dict[str, str]:
             "NEMOTRON_HOST": settings.host,
             "NEMOTRON_PORT": str(settings.port),
             "NEMOTRON_ENGINE_URL": f"http://127.0.0.1:{settings.engine.port}",
+            # The gateway translates the client's reasoning switch into this preset's convention.
+            "NEMOTRON_ENGINE__PRESET": settings.engine.preset,
             "NEMOTRON_REDIS_URL": settings.redis_url.get_secret_value(),
             "NEMOTRON_LOG_LEVEL": settings.log_level,
         }

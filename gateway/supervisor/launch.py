@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gateway.settings import Settings
-from gateway.supervisor.profiles import Profile, ProfileError, build_argv, load_profiles, select_profile, unknown_flags
+from gateway.supervisor.presets import engine_profile
+from gateway.supervisor.profiles import Profile, ProfileError, build_argv, unknown_flags
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,9 @@ def engine_environment(profile: Profile, base: Mapping[str, str] | None = None) 
 
 
 def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, list[str], dict[str, str]]:
-    """Resolve the profile, build the argv and environment, and reject unknown flags before the slow start."""
-    profile = select_profile(load_profiles(settings.engine.profiles_file), settings.engine.profile)
+    """Resolve the profile with the model preset, build the argv and environment, and reject unknown flags before
+    the slow start."""
+    profile, _ = engine_profile(settings.engine)
     custom = settings.engine.launcher
     if custom:
         argv = build_argv(list(custom), settings.engine, profile)
@@ -117,8 +119,8 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
         unknown = unknown_flags(argv, accepted)
         if unknown:
             raise ProfileError(
-                f"the installed vLLM does not accept {', '.join(unknown)} (profile {profile.name!r} or "
-                "NEMOTRON_ENGINE__EXTRA_ARGS); see `vllm serve --help=all`"
+                f"the installed vLLM does not accept {', '.join(unknown)} (profile {profile.name!r}, preset "
+                f"{settings.engine.preset!r} or NEMOTRON_ENGINE__EXTRA_ARGS); see `vllm serve --help=all`"
             )
         if _QUIET_FLAG in accepted and _QUIET_FLAG not in argv:
             argv += [_QUIET_FLAG, _PROBED_PATHS]

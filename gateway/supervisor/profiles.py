@@ -40,7 +40,8 @@ def _read_toml(text: str, origin: str) -> dict[str, dict[str, Any]]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{origin} is not valid TOML: {exc}") from None
-    table = data.get("profiles")
+    # An operator's file may hold only [presets.*] tables (read by presets.py).
+    table = data.get("profiles", {} if "presets" in data else None)
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
         raise ProfileError(f"{origin} must contain [profiles.<name>] tables")
     return table

@@ -33,6 +33,7 @@ DOCTOR_MAY_IMPORT = (
     "gateway.errors",
     "gateway.doctor",
     "gateway.supervisor.profiles",
+    "gateway.supervisor.presets",
     "gateway.supervisor.launch",
     "gateway.supervisor.state",
 )

@@ -113,12 +113,12 @@ def test_model_must_be_a_string() -> None:
 # --- roles and content -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("role", ["User", "developer", 5, "SYSTEM", ""], ids=repr)
+@pytest.mark.parametrize("role", ["User", "Developer", 5, "SYSTEM", ""], ids=repr)
 def test_invalid_role_names_the_message_and_lists_valid_roles(role: Any) -> None:
     error = rejected(chat_body(messages=[SYSTEM, {"role": role, "content": "hi"}]))
     assert error.param == "messages[1].role"
     assert f"Invalid role {role!r}" in error.message
-    assert "'system', 'user', 'assistant', 'tool'" in error.message
+    assert "'system', 'developer', 'user', 'assistant', 'tool'" in error.message
     assert "lowercase" in error.message
 
 

@@ -15,6 +15,7 @@ from gateway.doctor.flags import EngineFlags, engine_flags, human_int, parse_fla
 from gateway.doctor.runner import doctor_config, run_checks
 from gateway.settings import Settings
 from gateway.supervisor.launch import prepare
+from gateway.supervisor.presets import engine_profile
 from gateway.supervisor.profiles import load_profiles, select_profile
 from tests.procs import free_port
 from tests.unit.doctor.samples import CONFIG, TEMPLATE_NO_BOS, TOKENIZER_CONFIG, by_name, write_model
@@ -31,7 +32,7 @@ def engine_settings(model: str | Path, profile: str, *extra_args: str, **engine:
 def rows_for(tmp_path: Path, model: str | Path, *extra_args: str, profile: str = "balanced") -> dict[str, Check]:
     """The doctor's rows for the engine the supervisor would start with this profile and these extra args."""
     settings = engine_settings(model, profile, *extra_args)
-    config = doctor_config(settings, select_profile(load_profiles(), profile))
+    config = doctor_config(settings, engine_profile(settings.engine)[0])
     # Redis is not what these tests are about; the hub cache is a private one.
     return by_name(run_checks(replace(config, redis_url=None, environ={"HF_HUB_CACHE": str(tmp_path / "hf")})))
 

@@ -1,0 +1,216 @@
+"""Model presets: shipped data with sources, combined with any profile, operator presets, `engine presets` and
+`engine --print-argv` (the final command line, nothing started)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from gateway import cli
+from gateway.settings import EngineSettings, Settings
+from gateway.supervisor import launch
+from gateway.supervisor.presets import (
+    ReasoningSwitch,
+    apply_preset,
+    engine_profile,
+    load_presets,
+    reasoning_switch,
+    select_preset,
+)
+from gateway.supervisor.profiles import ProfileError, build_argv, load_profiles, select_profile
+
+pytestmark = pytest.mark.timeout(30)
+
+LAUNCHER = ["python", "-m", "vllm"]
+PRESETS_TOML = Path(launch.__file__).with_name("presets.toml")
+
+
+def argv_for(preset: str, profile: str, *extra: str) -> list[str]:
+    engine = EngineSettings(model="/m", preset=preset, profile=profile, extra_args=extra)
+    combined, _ = engine_profile(engine)
+    return build_argv(LAUNCHER, engine, combined)
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    """The value of the last `--name` in argv (argparse: the last one wins); "" for a bare flag."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}":
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            found = "" if following.startswith("--") or not following else following
+    return found
+
+
+def test_every_family_has_a_preset_with_its_reasoning_switch() -> None:
+    presets = load_presets()
+    assert {
+        "generic",
+        "nemotron-3-nano",
+        "nemotron-3-nano-fp8",
+        "nemotron-nano-9b-v2",
+        "llama-nemotron-nano-8b",
+        "llama-nemotron-super-49b",
+        "nemotron-mini-4b",
+    } <= set(presets)
+    assert presets["nemotron-3-nano"].reasoning is ReasoningSwitch.ENABLE_THINKING
+    assert presets["nemotron-nano-9b-v2"].reasoning is ReasoningSwitch.THINK_LINE
+    assert presets["llama-nemotron-super-49b"].reasoning is ReasoningSwitch.THINK_LINE
+    assert presets["llama-nemotron-nano-8b"].reasoning is ReasoningSwitch.DETAILED_THINKING
+    assert presets["nemotron-mini-4b"].reasoning is ReasoningSwitch.NONE
+    assert presets["generic"].reasoning is ReasoningSwitch.NONE
+    # Not one 4096 for all.
+    lengths = {name: p.context_length for name, p in presets.items()}
+    assert lengths["nemotron-3-nano"] == 262144 and lengths["nemotron-nano-9b-v2"] == 131072
+
+
+def test_nemotron_3_nano_flags_follow_its_recipe() -> None:
+    argv = argv_for("nemotron-3-nano", "balanced")
+    assert flag(argv, "reasoning-parser") == "nemotron_v3"
+    assert flag(argv, "enable-auto-tool-choice") == ""
+    assert flag(argv, "tool-call-parser") == "qwen3_coder"
+    assert flag(argv, "mamba-ssm-cache-dtype") == "float32"
+    assert flag(argv, "max-model-len") == "262144"
+    # vLLM carries NemotronH in-tree: no remote code.
+    assert "--trust-remote-code" not in argv
+    fp8 = argv_for("nemotron-3-nano-fp8", "balanced")
+    assert flag(fp8, "kv-cache-dtype") == "fp8" and flag(fp8, "reasoning-parser") == "nemotron_v3"
+    assert flag(argv, "kv-cache-dtype") is None
+
+
+def test_nano_9b_v2_uses_the_plugins_toolcall_parser() -> None:
+    argv = argv_for("nemotron-nano-9b-v2", "throughput")
+    assert flag(argv, "tool-call-parser") == "nemotron_json"
+    assert flag(argv, "mamba-ssm-cache-dtype") == "float32"
+    assert flag(argv, "max-num-seqs") == "256"  # the profile's flags come with it
+
+
+def test_every_preset_flag_names_its_source() -> None:
+    """Each flag and context length in the shipped file sits under a comment (the source it came from)."""
+    lines = PRESETS_TOML.read_text().splitlines()
+
+    def is_key(line: str) -> bool:
+        return "=" in line and not line.startswith(("#", "["))
+
+    for i, line in enumerate(lines):
+        if not is_key(line) or line.split("=", 1)[0].strip() in ("description", "extends", "model"):
+            continue
+        j = i - 1
+        while j >= 0 and is_key(lines[j]) and lines[j].split("=", 1)[0].strip() not in ("description", "model"):
+            j -= 1
+        assert lines[j].startswith("#"), f"no source above: {line}"
+
+
+def test_shipped_chat_templates_resolve_to_files() -> None:
+    for name in ("llama-nemotron-nano-8b", "llama-nemotron-super-49b", "nemotron-mini-4b"):
+        template = Path(str(select_preset(load_presets(), name).flags["chat-template"]))
+        assert template.is_file() and template.suffix == ".jinja"
+        assert "raise_exception" in template.read_text()
+
+
+@pytest.mark.parametrize(("profile", "length"), [("balanced", "131072"), ("cpu-dev", "2048")])
+def test_the_profile_caps_the_presets_context_length(profile: str, length: str) -> None:
+    argv = argv_for("nemotron-nano-9b-v2", profile)
+    assert flag(argv, "max-model-len") == length
+    assert argv.count("--max-model-len") == 1
+
+
+def test_extra_args_still_come_last() -> None:
+    argv = argv_for("nemotron-3-nano", "balanced", "--max-model-len", "8192")
+    assert flag(argv, "max-model-len") == "8192"
+
+
+def test_a_flag_both_set_takes_the_profiles_value(tmp_path: Path) -> None:
+    extra = tmp_path / "ops.toml"
+    extra.write_text('[presets.p]\ndtype = "float16"\n[profiles.q]\ndtype = "bfloat16"\n')
+    combined = apply_preset(select_profile(load_profiles(extra), "q"), select_preset(load_presets(extra), "p"))
+    assert combined.flags["dtype"] == "bfloat16"
+
+
+def test_operator_presets_live_in_the_profiles_file(tmp_path: Path) -> None:
+    extra = tmp_path / "ops.toml"
+    extra.write_text(
+        '[presets.my-nano]\nextends = "nemotron-nano-9b-v2"\ncontext-length = 32768\n'
+        'hf-overrides = { rope_parameters = { rope_theta = 20000.0 } }\nenv = { VLLM_X = "1" }\n'
+    )
+    engine = EngineSettings(model="/m", preset="my-nano", profile="balanced", profiles_file=extra)
+    combined, preset = engine_profile(engine)
+    argv = build_argv(LAUNCHER, engine, combined)
+    assert flag(argv, "max-model-len") == "32768"
+    assert flag(argv, "tool-call-parser") == "nemotron_json"  # inherited
+    assert json.loads(flag(argv, "hf-overrides") or "") == {"rope_parameters": {"rope_theta": 20000.0}}
+    assert combined.env["VLLM_X"] == "1"
+    assert preset.reasoning is ReasoningSwitch.THINK_LINE
+    assert reasoning_switch("my-nano", extra) is ReasoningSwitch.THINK_LINE
+    # The shipped profiles still load from a file that holds presets only.
+    assert "balanced" in load_profiles(extra)
+
+
+@pytest.mark.parametrize(
+    ("text", "phrase"),
+    [
+        ("[presets.x]\nmax-model-len = 9\n", "context-length"),
+        ("[presets.x]\nport = 9\n", "engine settings"),
+        ('[presets.x]\nreasoning = "sometimes"\n', "reasoning must be one of"),
+        ("[presets.x]\ncontext-length = -1\n", "positive whole number"),
+        ('[presets.x]\nextends = "nope"\n', "extends unknown preset"),
+        ('[presets.x]\nchat-template = "shipped:nope"\n', "no shipped chat template"),
+        ("presets = 3\n", "[presets.<name>]"),
+    ],
+)
+def test_bad_operator_presets_are_rejected(tmp_path: Path, text: str, phrase: str) -> None:
+    extra = tmp_path / "ops.toml"
+    extra.write_text(text)
+    with pytest.raises(ProfileError, match=phrase.replace("[", r"\[")):
+        load_presets(extra)
+
+
+def test_unknown_preset_lists_the_choices() -> None:
+    with pytest.raises(ProfileError, match="choose one of: generic, llama-nemotron"):
+        select_preset(load_presets(), "nemotron-5")
+
+
+def test_unknown_preset_flags_are_caught_before_the_slow_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = tmp_path / "ops.toml"
+    extra.write_text("[presets.typo]\nreasoning-parsr = 'nemotron_v3'\n")
+    monkeypatch.setattr(launch, "installed_vllm", lambda python: ("vllm-0.0", LAUNCHER))
+    monkeypatch.setattr(
+        launch,
+        "accepted_flags",
+        lambda *a: frozenset({"--model", "--host", "--port", "--max-model-len", "--served-model-name"}),
+    )
+    settings = Settings(engine={"model": "/m", "preset": "typo", "profiles_file": extra, "profile": "cpu-dev"})
+    with pytest.raises(ProfileError, match=r"does not accept --reasoning-parsr,.*preset 'typo'"):
+        launch.prepare(settings)
+
+
+def test_engine_presets_lists_flags_context_and_switch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["engine", "presets"]) == 0
+    out = capsys.readouterr().out
+    assert "nemotron-nano-9b-v2\n" in out and "reasoning switch: think_line" in out
+    assert "--tool-call-parser nemotron_json" in out and "context: 131072" in out
+
+
+def test_print_argv_prints_the_command_line_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEMOTRON_ENGINE__LAUNCHER", json.dumps(LAUNCHER))
+    monkeypatch.setenv("NEMOTRON_ENGINE__STATE_DIR", str(tmp_path / "state"))
+    argv = ["engine", "--preset", "nemotron-3-nano", "--profile", "cpu-dev", "--model", "/m", "--print-argv"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    command = shlex.split(lines[0])
+    assert command[:3] == LAUNCHER
+    assert flag(command, "reasoning-parser") == "nemotron_v3" and flag(command, "max-model-len") == "2048"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in lines[1:]  # the profile's environment
+    assert not (tmp_path / "state").exists()  # no status file: nothing started
+
+
+def test_print_argv_refuses_an_unknown_preset(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEMOTRON_ENGINE__LAUNCHER", json.dumps(LAUNCHER))
+    assert cli.main(["engine", "--preset", "nope", "--model", "/m", "--print-argv"]) == 2
+    assert "unknown model preset 'nope'" in capsys.readouterr().err
