@@ -13,7 +13,7 @@ test-fast:      ## the suite without the real-vLLM tier
 lint:
 	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests && .venv/bin/mypy
 
-bench:          ## gateway overhead vs the engine directly, without and with keys + limits (figures for the README)
+bench:          ## gateway overhead vs the engine directly and vs nginx (the reference proxy), without and with keys + limits
 	scripts/bootstrap
 	mkdir -p loadtest/results
 	.venv/bin/python -m loadtest.overhead --json loadtest/results/overhead.json
