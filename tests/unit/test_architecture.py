@@ -181,6 +181,15 @@ def test_doctor_imports_only_settings_errors_its_own_modules_and_engine_data() -
     assert not violations, _report(violations)
 
 
+def test_the_gateway_never_imports_the_engine_plugin_nor_the_plugin_the_gateway() -> None:
+    """engine_patches runs inside vLLM (issue 8): the gateway only finds its templates' path, without importing it."""
+    violations = [str(i) for i in _all_imports() if _is_within(i.module, ("engine_patches",))]
+    plugin_files = sorted((ROOT / "engine_patches").rglob("*.py"))
+    assert any(p.name == "plugin.py" for p in plugin_files)
+    violations += [str(i) for p in plugin_files for i in _imports(p) if _is_within(i.module, ("gateway", "loadtest"))]
+    assert not violations, _report(violations)
+
+
 def test_nothing_but_the_server_imports_the_app() -> None:
     violations = [
         str(i) for i in _all_imports() if i.file != "gateway/server.py" and _is_within(i.module, ("gateway.app",))

@@ -1,0 +1,32 @@
+"""The vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml): what current vLLM still lacks
+for Nemotron, registered the supported way instead of edits to site-packages.
+
+vLLM calls `register()` once in every process it starts (API server, engine core, workers) before it parses its
+flags, so `--tool-call-parser nemotron_json` passes vLLM's own check. Each patch is applied only where the
+installed vLLM lacks it, and one log line says what was applied. Imports vLLM only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.tool_parsers import ToolParserManager
+
+__all__ = ["TOOL_PARSER", "register"]
+
+# The name NVIDIA's model card and vLLM's cookbook use for the <TOOLCALL> format (vLLM issue #42065).
+TOOL_PARSER = "nemotron_json"
+# Under vLLM's own logger, so the line has vLLM's format and level.
+logger = logging.getLogger("vllm.engine_patches")
+
+
+def register() -> None:
+    """Register what the installed vLLM lacks and log one line saying what that was."""
+    applied: list[str] = []
+    if TOOL_PARSER in ToolParserManager.list_registered():
+        applied.append(f"tool parser {TOOL_PARSER}: vLLM's own kept")
+    else:
+        # Lazy: the parser's module (and vLLM's protocol classes) load only when a server asks for it.
+        ToolParserManager.register_lazy_module(TOOL_PARSER, "engine_patches.toolcall", "NemotronJsonToolParser")
+        applied.append(f"tool parser {TOOL_PARSER} (<TOOLCALL>[...]</TOOLCALL>, Nemotron-Nano-9B-v2)")
+    logger.info("nemotron engine_patches loaded: %s", "; ".join(applied))
