@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +23,10 @@ from typing import Any
 from loadtest.processes import cpu_seconds
 
 _ROLES = ("gateway", "vllm-api", "engine-core")
+# Issue 11's goals on the GPU: through the gateway at least this share of direct output tokens/s at every
+# concurrency, with no errors, and at most this much added TTFT p50 at concurrency 1.
+GOAL_TOKENS_SHARE = 0.98
+GOAL_ADDED_TTFT_C1_MS = 1.0
 
 
 def _children() -> dict[int, list[int]]:
@@ -141,6 +146,61 @@ def markdown(points: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def goals(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per concurrency, medians over rounds: gateway tokens/s as a share of direct, added TTFT and ITL p50
+    (gateway minus direct, paired by round), errors; each against issue 11's goals."""
+    rows = []
+    for concurrency in sorted({p["concurrency"] for p in points}):
+        at = [p for p in points if p["concurrency"] == concurrency]
+        direct = [p for p in at if p["target"] == "direct"]
+        gateway = [p for p in at if p["target"] == "gateway"]
+        pairs = list(zip(direct, gateway, strict=False))
+        share = _median(
+            [g["output_tokens_per_s"] / d["output_tokens_per_s"] for d, g in pairs if d["output_tokens_per_s"]]
+        )
+        added_ttft = _median([g["ttft_p50_ms"] - d["ttft_p50_ms"] for d, g in pairs])
+        errors = sum(sum(p["errors"].values()) for p in at)
+        ok = share >= GOAL_TOKENS_SHARE and errors == 0
+        if concurrency == 1:
+            ok = ok and added_ttft <= GOAL_ADDED_TTFT_C1_MS
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "direct_tokens_per_s": _median([d["output_tokens_per_s"] for d in direct]),
+                "gateway_tokens_per_s": _median([g["output_tokens_per_s"] for g in gateway]),
+                "gateway_share": share,
+                "direct_ttft_p50_ms": _median([d["ttft_p50_ms"] for d in direct]),
+                "added_ttft_p50_ms": added_ttft,
+                "direct_itl_p50_ms": _median([d["itl_p50_ms"] for d in direct]),
+                "gateway_itl_p50_ms": _median([g["itl_p50_ms"] for g in gateway]),
+                "errors": errors,
+                "meets_goals": ok,
+            }
+        )
+    return rows
+
+
+def goals_markdown(rows: list[dict[str, Any]]) -> str:
+    """The goals table: one row per concurrency."""
+    lines = [
+        f"| c | output tok/s direct / gateway | gateway share (goal ≥ {GOAL_TOKENS_SHARE:.0%}) | TTFT p50 direct ms | "
+        f"added TTFT p50 ms (c=1 goal ≤ {GOAL_ADDED_TTFT_C1_MS:g}) | ITL p50 direct / gateway ms | errors | goals |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['concurrency']} | {r['direct_tokens_per_s']:,.0f} / {r['gateway_tokens_per_s']:,.0f} | "
+            f"{r['gateway_share']:.1%} | {r['direct_ttft_p50_ms']:.1f} | {r['added_ttft_p50_ms']:+.2f} | "
+            f"{r['direct_itl_p50_ms']:.2f} / {r['gateway_itl_p50_ms']:.2f} | {r['errors']} | "
+            f"{'met' if r['meets_goals'] else 'MISSED'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: `python -m loadtest.gpu.sweep --direct URL --gateway URL --api-key KEY --root-pid PID`."""
     parser = argparse.ArgumentParser(prog="loadtest.gpu.sweep", description=__doc__)
@@ -156,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--out", type=Path, required=True, help="where sweep.json and sweep.md go")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu-points"), help="each point's own results")
+    parser.add_argument("--label", default="", help="what this run's stack is (API servers, gateway workers)")
     args = parser.parse_args(argv)
     targets = {"direct": args.direct, "gateway": args.gateway}
     points: list[dict[str, Any]] = []
@@ -170,8 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stdout.write(markdown([point]).splitlines()[-1] + "\n")
                 sys.stdout.flush()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sweep.json").write_text(json.dumps({"points": points}, indent=1))
-    (args.out / "sweep.md").write_text(markdown(points))
+    summary = goals(points)
+    (args.out / "sweep.json").write_text(
+        json.dumps({"label": args.label, "goals": summary, "points": points}, indent=1)
+    )
+    heading = f"{args.label}\n\n" if args.label else ""
+    (args.out / "sweep.md").write_text(heading + goals_markdown(summary) + "\n" + markdown(points))
     return 0
 
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from loadtest.gpu.sweep import markdown, role_of
+from typing import Any
+
+from loadtest.gpu.sweep import goals, markdown, role_of
 
 
 def test_roles_follow_the_command_lines_of_the_stack() -> None:
     assert role_of("/usr/bin/python3 -m gateway serve") == "gateway"
     assert role_of("python3 -m vllm.entrypoints.launchers.api_server.entry --model /tmp/model") == "vllm-api"
     assert role_of("VLLM::EngineCore") == "engine-core"
+    # `vllm serve --api-server-count 4`: the manager and its API-server processes (setproctitle names).
+    assert role_of("python3 -m vllm.entrypoints.cli.main serve --model /tmp/model --api-server-count 4") == "vllm-api"
+    assert role_of("VLLM::APIServer_2") == "vllm-api"
     # The guard that runs a child in its own process group is not counted as the child.
     assert role_of("python3 -m gateway.supervisor.guard -- python3 -m gateway serve") is None
     assert role_of("redis-server 127.0.0.1:6390") is None
@@ -33,3 +38,33 @@ def test_the_table_has_one_row_per_point_with_errors_summed() -> None:
     assert rows[2] == (
         "| gateway | 256 | 500/512 | 12 | 6,543 | 120.0 / 900.0 | 30.50 / 160.25 | 0.050 | 0.250 | 0.500 |"
     )
+
+
+def _point(target: str, concurrency: int, tokens_per_s: float, ttft: float, errors: int = 0) -> dict[str, Any]:
+    return {
+        "target": target,
+        "concurrency": concurrency,
+        "output_tokens_per_s": tokens_per_s,
+        "ttft_p50_ms": ttft,
+        "itl_p50_ms": 4.0,
+        "errors": {"503": errors} if errors else {},
+    }
+
+
+def test_goals_pair_rounds_and_judge_each_concurrency() -> None:
+    points = [
+        _point("direct", 1, 100.0, 40.0),
+        _point("gateway", 1, 99.0, 40.6),
+        _point("direct", 64, 5000.0, 60.0),
+        _point("gateway", 64, 4800.0, 61.0),
+        _point("gateway", 1, 100.0, 41.0),
+        _point("direct", 1, 100.0, 39.0),
+        _point("gateway", 64, 5000.0, 60.0, errors=1),
+        _point("direct", 64, 5000.0, 60.0),
+    ]
+    by_c = {row["concurrency"]: row for row in goals(points)}
+    # c=1: shares 99 % and 100 %, added TTFT +0.6 and +2.0 ms: the median (+1.3 ms) misses the 1 ms goal.
+    assert by_c[1]["gateway_share"] == 0.995 and round(by_c[1]["added_ttft_p50_ms"], 2) == 1.3
+    assert not by_c[1]["meets_goals"]
+    # c=64: 96 % and 100 % share (median 98 %), but one error.
+    assert by_c[64]["errors"] == 1 and not by_c[64]["meets_goals"]
