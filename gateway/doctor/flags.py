@@ -38,6 +38,7 @@ class EngineFlags:
     hf_overrides: Mapping[str, Any] = field(default_factory=dict)
     hf_overrides_error: str | None = None  # --hf-overrides given but not a JSON object
     download_dir: str | None = None  # where vLLM looks for (and puts) hub downloads instead of the HF cache
+    reasoning_parser: str | None = None
 
 
 def _options(argv: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -123,6 +124,7 @@ def parse_flags(argv: Sequence[str]) -> EngineFlags:
         hf_overrides=overrides,
         hf_overrides_error=overrides_error,
         download_dir=values.get("download-dir"),
+        reasoning_parser=values.get("reasoning-parser") or None,
     )
 
 

@@ -3,7 +3,8 @@
 Reads config.json and tokenizer_config.json as JSON (no transformers import). The derived context length
 follows vLLM's `_get_and_verify_max_len`. What the directory must hold depends on the engine's flags:
 `--load-format dummy` reads no weights, `--hf-overrides` changes the config vLLM sees, `--quantization` needs a
-checkpoint of that scheme. Imports only `check` and `rows` of ours.
+checkpoint of that scheme. Where a model preset fixes what is found, the fix names it. Imports only `check` and
+`rows` of ours, and the presets' data.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, skipped, warned
+from gateway.supervisor.presets import Preset, load_presets
 
 _LENGTH_KEYS = (
     "max_position_embeddings",
@@ -43,6 +45,11 @@ _SCHEME_ALIASES = {"marlin": "gptq", "auto": "gptq"}  # marlin kernels serve GPT
 # Kernels vLLM may pick for checkpoints of several schemes: no mismatch can be told from the names.
 _ANY_SCHEME = frozenset(("moe_wna16", "inc", "humming"))
 _JINJA_CHARS = "{}\n"  # vLLM takes a --chat-template holding any of these as the template itself
+# A chat template with one of these has a reasoning mode: served without a reasoning parser, `</think>` and the
+# reasoning text end up in `content` (and Nemotron 3 has hung streaming clients).
+# What vLLM builds the rotary embedding from (see effective_rope_theta); a flat rope_theta override does nothing.
+_ROPE_OVERRIDE = '--hf-overrides \'{"rope_parameters": {"rope_theta": N}}\''
+_REASONING_MARKERS = ("<think>", "enable_thinking", "/no_think", "detailed thinking")
 
 
 @dataclass(frozen=True)
@@ -220,8 +227,34 @@ def chat_template_text(tokenizer_dir: Path, tokenizer_config: Mapping[str, Any])
     return found if isinstance(found, str) and found.strip() else None
 
 
+def suggested_preset(config: Mapping[str, Any], path: Path) -> Preset | None:
+    """The shipped model preset for this checkpoint's architecture, if one fits (named in the doctor's fixes)."""
+    architectures = config.get("architectures") or [""]
+    arch = str(architectures[0]) if isinstance(architectures, list) and architectures else ""
+    name = None
+    if arch == "NemotronHForCausalLM":
+        # Nemotron 3 Nano is the mixture-of-experts one; Nano-9B-v2 is dense.
+        name = "nemotron-3-nano" if config.get("n_routed_experts") else "nemotron-nano-9b-v2"
+    elif arch == "NemotronForCausalLM":
+        name = "nemotron-mini-4b"
+    elif arch == "DeciLMForCausalLM":
+        name = "llama-nemotron-super-49b"
+    elif arch == "LlamaForCausalLM" and "nemotron" in str(path).lower():
+        name = "llama-nemotron-nano-8b"
+    return load_presets().get(name) if name else None
+
+
+def _preset_fix(preset: Preset | None, flag: str) -> str:
+    """`; or serve with --preset X (sets --flag V)` when the suggested preset sets that flag."""
+    if preset is None or flag not in preset.flags:
+        return ""
+    value = preset.flags[flag]
+    shown = Path(str(value)).name if flag == "chat-template" else value
+    return f"; or serve with --preset {preset.name} (sets --{flag} {shown})"
+
+
 def _chat_template(
-    tokenizer_dir: Path, tokenizer_config: Mapping[str, Any], override: str | Path | None
+    tokenizer_dir: Path, tokenizer_config: Mapping[str, Any], override: str | Path | None, preset: Preset | None
 ) -> tuple[Check, str | None]:
     row = rows.CHAT_TEMPLATE
     if override is not None:
@@ -234,7 +267,7 @@ def _chat_template(
         return passed(row, f"{override} ({len(text)} characters)"), text
     found = chat_template_text(tokenizer_dir, tokenizer_config)
     if found is None:
-        fix = "pass --chat-template (engine_patches ships one for Nemotron): vLLM answers chat requests 400 without"
+        fix = "pass --chat-template: vLLM answers chat requests 400 without" + _preset_fix(preset, "chat-template")
         return warned(row, "none in tokenizer_config.json, chat_template.jinja or .json", fix), None
     return passed(row, f"from the tokenizer ({len(found)} characters)"), found
 
@@ -261,7 +294,7 @@ def _post_processor_adds(tokenizer_json: Path, bos: str) -> bool | None:
     return None if processor is None else False
 
 
-def check_bos(bos: str | None, add_bos_token: bool | None, template: str | None) -> Check:
+def check_bos(bos: str | None, add_bos_token: bool | None, template: str | None, preset: Preset | None = None) -> Check:
     """Two BOS tokens (tokenizer adds one, the template writes another) turn Nemotron output into garbage."""
     row = rows.BOS
     if bos is None:
@@ -272,9 +305,60 @@ def check_bos(bos: str | None, add_bos_token: bool | None, template: str | None)
         fix = (
             "double BOS wherever the rendered prompt is tokenized with special tokens (/v1/completions with a "
             "templated prompt): serve a --chat-template without the BOS, or set add_bos_token false"
-        )
+        ) + _preset_fix(preset, "chat-template")
         return warned(row, measured, fix)
     return passed(row, measured)
+
+
+def check_reasoning_parser(template: str | None, reasoning_parser: str | None, preset: Preset | None = None) -> Check:
+    """A chat template with a reasoning mode needs --reasoning-parser, or reasoning leaks into the answer."""
+    row = rows.REASONING_PARSER
+    if reasoning_parser:
+        return passed(row, f"--reasoning-parser {reasoning_parser}")
+    found = [marker for marker in _REASONING_MARKERS if template is not None and marker in template]
+    if not found:
+        return passed(row, "the chat template has no reasoning mode")
+    measured = f"the chat template has a reasoning mode ({found[0]!r}) and no --reasoning-parser is given"
+    fix = (
+        "add --reasoning-parser (nemotron_v3 for Nemotron 3 and Nano-9B-v2, deepseek_r1 for Llama-Nemotron): without "
+        "one, </think> and the reasoning land in the answer" + _preset_fix(preset, "reasoning-parser")
+    )
+    return failed(row, measured, fix)
+
+
+def _override_theta(overrides: Mapping[str, Any]) -> tuple[str, object] | None:
+    """("rope_parameters" | "rope_theta", value) when --hf-overrides sets a rope_theta (top level or text_config)."""
+    for holder in (overrides, overrides.get("text_config"), overrides.get("llm_config")):
+        if not isinstance(holder, Mapping):
+            continue
+        nested = holder.get("rope_parameters")
+        if isinstance(nested, Mapping) and "rope_theta" in nested:
+            return "rope_parameters", nested["rope_theta"]
+        if "rope_theta" in holder:
+            return "rope_theta", holder["rope_theta"]
+    return None
+
+
+def effective_rope_theta(stored: Mapping[str, Any], overrides: Mapping[str, Any]) -> tuple[object, Check | None]:
+    """The rope_theta vLLM builds the rotary embedding from, and a warning when a flat override is ignored.
+
+    With transformers 5, vLLM's config loader turns config.json's rope_theta into `rope_parameters` before it
+    applies --hf-overrides; Nemotron's attention reads `rope_parameters`, so `{"rope_theta": N}` changes nothing
+    (tests/unit/doctor/test_rope_override.py shows it on vLLM's own loader). `{"rope_parameters": {"rope_theta":
+    N}}` does.
+    """
+    text = _text_config(stored)
+    stored_theta = _rope(text).get("rope_theta", text.get("rope_theta"))
+    override = _override_theta(overrides)
+    if override is None:
+        return stored_theta, None
+    kind, value = override
+    if kind == "rope_parameters":
+        return value, None
+    shown = stored_theta if stored_theta is not None else "the default"
+    measured = f"--hf-overrides rope_theta {value} is ignored: vLLM reads rope_parameters, which keeps {shown}"
+    fix = f'override what vLLM reads: --hf-overrides \'{{"rope_parameters": {{"rope_theta": {value}}}}}\''
+    return stored_theta, warned(rows.ROPE_THETA, measured, fix)
 
 
 def check_rope_theta(value: object) -> Check:
@@ -283,17 +367,18 @@ def check_rope_theta(value: object) -> Check:
     if value is None:
         return passed(row, "not set (no RoPE, or the architecture's default)")
     if isinstance(value, bool) or not isinstance(value, int | float):
-        fix = "write rope_theta as a number in config.json, or pass --hf-overrides '{\"rope_theta\": N}'"
+        fix = f"write rope_theta as a number in config.json, or pass {_ROPE_OVERRIDE}"
         return warned(row, f"{value!r} is not a number", fix)
     low, high = _ROPE_THETA_RANGE
     if not low <= value <= high:
-        fix = "compare with the base model's config.json; override with --hf-overrides '{\"rope_theta\": N}'"
+        fix = f"compare with the base model's config.json; override with {_ROPE_OVERRIDE}"
         return warned(row, f"{value:g} is outside the usual {low:g}..{high:g}", fix)
     return passed(row, f"{value:g}")
 
 
 def check_context_length(derived: int | None, max_model_len: int | None) -> Check:
-    """vLLM refuses a --max-model-len above what the config allows (fatal)."""
+    """vLLM refuses a --max-model-len above what the config allows (fatal). The preset's context-length sets it,
+    a profile's max-model-len caps it, an extra --max-model-len replaces it."""
     row = rows.CONTEXT_LENGTH
     if derived is None:
         return warned(row, "config.json names no context length: vLLM assumes 2048", "pass --max-model-len")
@@ -301,7 +386,10 @@ def check_context_length(derived: int | None, max_model_len: int | None) -> Chec
         return passed(row, f"model allows {derived}; --max-model-len not given")
     measured = f"--max-model-len {max_model_len}, model allows {derived}"
     if max_model_len > derived:
-        fix = f"lower --max-model-len to {derived} or less (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 forces it, output degrades)"
+        fix = (
+            f"lower --max-model-len to {derived} or less (the preset's context-length, capped by the profile, or an "
+            "extra --max-model-len); VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 forces it, output degrades"
+        )
         return failed(row, measured, fix)
     return passed(row, measured)
 
@@ -317,6 +405,7 @@ class ModelFlags:
     quantization: str | None = None
     hf_overrides: Mapping[str, Any] = field(default_factory=dict)
     hf_overrides_error: str | None = None
+    reasoning_parser: str | None = None
 
 
 def check_model_dir(path: Path | None, flags: ModelFlags, *, model: str = "") -> list[Check]:
@@ -345,14 +434,16 @@ def check_model_dir(path: Path | None, flags: ModelFlags, *, model: str = "") ->
     where = flags.tokenizer_dir or path
     files = _Files(where, _load_json(where / "tokenizer_config.json") or {})
     checks.append(_tokenizer(files))
-    template_check, template = _chat_template(where, files.tokenizer_config, flags.chat_template)
+    preset = suggested_preset(config, path)
+    template_check, template = _chat_template(where, files.tokenizer_config, flags.chat_template, preset)
     checks.append(template_check)
+    checks.append(check_reasoning_parser(template, flags.reasoning_parser, preset))
     bos = _bos_content(files.tokenizer_config)
     adds = files.tokenizer_config.get("add_bos_token")
     if not isinstance(adds, bool) and bos is not None:
         adds = _post_processor_adds(where / "tokenizer.json", bos)
-    checks.append(check_bos(bos, adds if isinstance(adds, bool) else None, template))
-    text = _text_config(config)
-    checks.append(check_rope_theta(text.get("rope_theta", _rope(text).get("rope_theta"))))
+    checks.append(check_bos(bos, adds if isinstance(adds, bool) else None, template, preset))
+    theta, ignored = effective_rope_theta(stored, flags.hf_overrides)
+    checks.append(ignored or check_rope_theta(theta))
     checks.append(check_context_length(derived_max_len(config, files.tokenizer_config), flags.max_model_len))
     return checks

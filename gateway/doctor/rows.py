@@ -37,10 +37,21 @@ MODEL_DIRECTORY = Row("model directory", fatal=True)
 MODEL_CONFIG = Row("model config", fatal=True)
 TOKENIZER = Row("tokenizer", fatal=True)
 CHAT_TEMPLATE = Row("chat template")
+# Served without its parser, a reasoning model's `</think>` leaks into content and streaming clients hang (issue 8).
+REASONING_PARSER = Row("reasoning parser", fatal=True)
 BOS = Row("BOS token")
 ROPE_THETA = Row("rope_theta")
 CONTEXT_LENGTH = Row("context length", fatal=True)
 
 GPU_ROWS = (GPU_PRESENT, DRIVER, FLASH_ATTN, GPU_MEMORY, CUDA_VISIBLE_DEVICES, PCIE, DEVICE_NODES)
 HOST_ROWS = (CGROUP, OPEN_FILES, DISK, PROXY, REDIS, ENGINE_PORT)
-MODEL_ROWS = (MODEL_DIRECTORY, MODEL_CONFIG, TOKENIZER, CHAT_TEMPLATE, BOS, ROPE_THETA, CONTEXT_LENGTH)
+MODEL_ROWS = (
+    MODEL_DIRECTORY,
+    MODEL_CONFIG,
+    TOKENIZER,
+    CHAT_TEMPLATE,
+    REASONING_PARSER,
+    BOS,
+    ROPE_THETA,
+    CONTEXT_LENGTH,
+)

@@ -65,6 +65,7 @@ class DoctorConfig:
     quantization: str | None = None  # --quantization: the checkpoint must be of that scheme
     hf_overrides: Mapping[str, Any] = field(default_factory=dict)  # --hf-overrides, applied to config.json
     hf_overrides_error: str | None = None
+    reasoning_parser: str | None = None  # --reasoning-parser; a reasoning model fails without one
     engine_host: str = "127.0.0.1"
     engine_port: int = 8001
     engine_status_file: Path | None = None  # the supervisor's status: our running engine's port and GPU memory
@@ -186,6 +187,7 @@ def _model_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
         quantization=config.quantization,
         hf_overrides=config.hf_overrides,
         hf_overrides_error=config.hf_overrides_error,
+        reasoning_parser=config.reasoning_parser,
     )
     return check_model_dir(resolve_model(config.model, cache), flags, model=config.model)
 
@@ -216,6 +218,7 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         quantization=flags.quantization,
         hf_overrides=flags.hf_overrides,
         hf_overrides_error=flags.hf_overrides_error,
+        reasoning_parser=flags.reasoning_parser,
         engine_port=settings.engine.port,
         redis_url=settings.redis_url.get_secret_value(),
         cache_dir=Path(flags.download_dir).expanduser() if flags.download_dir else None,

@@ -164,9 +164,13 @@ def test_hf_overrides_change_the_config_the_checks_read(tmp_path: Path) -> None:
     config = {**CONFIG, "rope_theta": "1e6"}
     model = write_model(tmp_path / "m", config)
     assert rows_for(tmp_path, model)["rope_theta"].status is Status.WARN  # its fix: pass --hf-overrides
-    fixed = rows_for(tmp_path, model, "--hf-overrides", '{"rope_theta": 1000000}')
-    assert fixed["rope_theta"].status is Status.PASS
-    assert "--hf-overrides rope_theta" in fixed["model config"].measured
+    # A flat rope_theta override is one vLLM ignores (it reads rope_parameters): still a warning, naming the fix.
+    flat = rows_for(tmp_path, model, "--hf-overrides", '{"rope_theta": 1000000}')
+    assert flat["rope_theta"].status is Status.WARN and "is ignored" in flat["rope_theta"].measured
+    assert '{"rope_parameters": {"rope_theta": 1000000}}' in flat["rope_theta"].fix
+    assert "--hf-overrides rope_theta" in flat["model config"].measured
+    fixed = rows_for(tmp_path, model, "--hf-overrides", '{"rope_parameters": {"rope_theta": 1000000}}')
+    assert fixed["rope_theta"].status is Status.PASS and fixed["rope_theta"].measured == "1e+06"
     longer = rows_for(tmp_path, model, "--hf-overrides", '{"max_position_embeddings": 8192}', "--max-model-len", "8192")
     assert longer["context length"].status is Status.PASS
     broken = rows_for(tmp_path, model, "--hf-overrides", "rope_theta=1")["model config"]

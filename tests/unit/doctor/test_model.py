@@ -29,6 +29,7 @@ def test_complete_model_dir_passes(tmp_path: Path) -> None:
         "model config",
         "tokenizer",
         "chat template",
+        "reasoning parser",
         "BOS token",
         "rope_theta",
         "context length",
@@ -37,6 +38,7 @@ def test_complete_model_dir_passes(tmp_path: Path) -> None:
         "model directory",
         "model config",
         "tokenizer",
+        "reasoning parser",
         "context length",
     ]
 
