@@ -10,6 +10,7 @@ import functools
 import json
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,3 +322,16 @@ def test_importing_every_module_has_no_side_effects() -> None:
     # Modules of the optional extras (torch for the demo model) may be missing here; the core never is.
     assert set(found["unavailable"].values()) <= OPTIONAL_EXTRAS, found["unavailable"]
     assert not set(found["unavailable"]) & {"gateway.app", "gateway.cli", "gateway.relay.sse", "gateway.settings"}
+
+
+def test_the_engine_entry_point_loads_no_web_stack() -> None:
+    # `nemotron-engine` (the engine unit's ExecStart) runs the supervisor alone (issue 10): a fresh
+    # interpreter imports its module and must not have loaded the HTTP app, FastAPI or aiohttp.
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module = scripts["nemotron-engine"].split(":")[0]
+    probe = f"import sys, json, {module}; print(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=25)
+    assert result.returncode == 0, result.stderr
+    web = ("fastapi", "starlette", "aiohttp", "uvicorn", "gateway.app", "gateway.relay", "gateway.routes")
+    loaded = [name for name in json.loads(result.stdout) if name.startswith(web)]
+    assert loaded == [], f"{module} loads {loaded}"
