@@ -33,6 +33,7 @@ def _error_response(error: GatewayError) -> Response:
 
 async def _on_gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
+    request.scope["state"]["record"].cause = exc.cause
     return _error_response(exc)
 
 
@@ -78,6 +79,7 @@ class _Dispatcher:
         try:
             response = await route.handler(request)
         except GatewayError as exc:
+            scope["state"]["record"].cause = exc.cause
             response = _error_response(exc)
         except ClientDisconnect:
             # The client hung up while sending its body: nobody to answer, nothing went wrong here.
@@ -92,7 +94,7 @@ class _Dispatcher:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the gateway app; `settings` defaults to the environment (and env file)."""
     settings = settings or Settings()
-    gateway_metrics = GatewayMetrics()
+    gateway_metrics = GatewayMetrics(per_key=settings.metrics.per_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -127,6 +129,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics=gateway_metrics,
         routes=table.paths,
         access_log=settings.access_log,
+        log_format=settings.log_format,
         http=settings.http,
     )
     # Outermost: the access log and the failed-auth guard must see the forwarded client address.

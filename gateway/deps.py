@@ -52,7 +52,7 @@ async def require_api_key(request: Request, services: Services) -> ApiKey | None
     token = bearer_token(request)
     try:
         if token is None:
-            raise AuthenticationError(_MISSING_KEY)
+            raise AuthenticationError(_MISSING_KEY, cause="missing")
         key = await services.keys.authenticate(token, known_only=blocked is not None)
     except AuthenticationError:
         if blocked is not None:

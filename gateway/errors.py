@@ -10,6 +10,7 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      │   └─ MethodNotAllowedError 405                     code=method_not_allowed, + Allow
      ├─ AuthenticationError      401  authentication_error    code=invalid_api_key
      ├─ PermissionDeniedError    403  permission_error        code=model_not_allowed
+     │   └─ MetricsForbiddenError 403                     code=metrics_forbidden
      ├─ NotFoundError            404  invalid_request_error   code=model_not_found
      │   └─ RouteNotFoundError   404  invalid_request_error   code=unknown_url
      ├─ RateLimitError           429  rate_limit_error        code=rate_limit_exceeded, + Retry-After
@@ -42,6 +43,8 @@ class GatewayError(Exception):
     status_code: ClassVar[int] = 500
     type: ClassVar[str] = "internal_error"
     code: ClassVar[str | None] = None
+    # Why, as a class for the metrics and the access log (a 429's limit, a 401's cause); never sent to the client.
+    cause: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
@@ -100,6 +103,18 @@ class AuthenticationError(GatewayError):
     type = "authentication_error"
     code = "invalid_api_key"
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        cause: str = "invalid",
+    ) -> None:
+        # cause: missing, malformed, unknown, inactive (revoked, disabled, expired) or blocked; one message for all.
+        super().__init__(message, param=param, headers=headers)
+        self.cause = cause
+
 
 class PermissionDeniedError(GatewayError):
     """The key is valid but may not use what it asked for."""
@@ -107,6 +122,12 @@ class PermissionDeniedError(GatewayError):
     status_code = 403
     type = "permission_error"
     code = "model_not_allowed"
+
+
+class MetricsForbiddenError(PermissionDeniedError):
+    """A scrape of /metrics from outside the allowed networks without the metrics token."""
+
+    code = "metrics_forbidden"
 
 
 class NotFoundError(GatewayError):
@@ -150,6 +171,19 @@ class RateLimitError(_RetryableError):
     status_code = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float = 1.0,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        limit: str = "requests",
+    ) -> None:
+        # limit: the exhausted one, for the metrics: requests, tokens, concurrency or failed_auth.
+        super().__init__(message, retry_after=retry_after, param=param, headers=headers)
+        self.cause = limit
 
 
 class ServiceUnavailableError(_RetryableError):

@@ -6,21 +6,37 @@ engine's `vllm:` prefix, never a secret as a label.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 # Latency buckets from 5 ms to 10 min: a non-streamed completion may legitimately take minutes.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+# Inter-token latency: a GPU engine streams a token every ~5-50 ms; a CPU test engine far slower.
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
+# A Redis call takes ~0.1-1 ms on the same machine; its deadline (redis.command_timeout) is ~1 s.
+_REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class GatewayMetrics:
     """The gateway's metrics in their own registry (several apps may live in one process in tests)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, per_key: bool = True) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The process's RSS, CPU, open fds and the interpreter's GC, as every Python exporter has them.
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=r)
+        self.per_key = per_key
+        # Per-key children looked up once per key (labels() per request showed in the profile); see forget_key.
+        self._keys: dict[str, _KeyChildren] = {}
         self.requests = Counter(
             "nemotron_gateway_requests",
             "Requests answered, by route and HTTP status.",
@@ -50,6 +66,7 @@ class GatewayMetrics:
             "nemotron_gateway_requests_in_flight",
             "Requests being served right now.",
             registry=r,
+            multiprocess_mode="livesum",  # several workers: the sum over the living ones
         )
         self.client_disconnects = Counter(
             "nemotron_gateway_client_disconnects",
@@ -69,12 +86,169 @@ class GatewayMetrics:
             "nemotron_gateway_engine_up",
             "1 when the gateway's last probe of the engine's /health succeeded, else 0.",
             registry=r,
+            multiprocess_mode="livemin",  # several workers: 0 if any of them finds the engine down
         )
         self.redis_up = Gauge(
             "nemotron_gateway_redis_up",
             "1 when the last Redis ping succeeded, else 0.",
             registry=r,
+            multiprocess_mode="livemin",
         )
+        self.rate_limited = Counter(
+            "nemotron_gateway_rate_limited",
+            "Requests refused 429, by the exhausted limit (requests, tokens, concurrency, failed_auth: an address "
+            "blocked for guessing keys).",
+            ["limit"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "nemotron_gateway_auth_failures",
+            "Requests refused 401, by cause class (missing, malformed, unknown, inactive, blocked); never key "
+            "material.",
+            ["cause"],
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "nemotron_gateway_inter_token_latency_seconds",
+            "Mean time between two completion tokens of a stream (first chunk to end over tokens - 1), per stream.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.key_requests = Counter(
+            "nemotron_gateway_key_requests",
+            "Requests of an authenticated key, by key name and HTTP status (NEMOTRON_METRICS__PER_KEY).",
+            ["key", "status"],
+            registry=r,
+        )
+        self.key_tokens = Counter(
+            "nemotron_gateway_key_tokens",
+            "Tokens the engine reported for a key's requests, by key name and kind (NEMOTRON_METRICS__PER_KEY).",
+            ["key", "kind"],
+            registry=r,
+        )
+        self.redis_call_duration = Histogram(
+            "nemotron_gateway_redis_call_duration_seconds",
+            "Time of one Redis call through the gateway's Redis boundary, retry included.",
+            buckets=_REDIS_BUCKETS,
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "nemotron_gateway_redis_errors",
+            "Redis calls that failed (after the one retry), answered as the key store being unavailable.",
+            registry=r,
+        )
+
+    def count_key(self, name: str, status: int, prompt: int | None, completion: int | None) -> None:
+        """Count one request of key `name` (nothing when per-key labels are off)."""
+        if not self.per_key:
+            return
+        children = self._keys.get(name)
+        if children is None:
+            children = self._keys[name] = _KeyChildren(
+                self.key_tokens.labels(name, "prompt"), self.key_tokens.labels(name, "completion")
+            )
+        by_status = children.requests.get(status)
+        if by_status is None:
+            by_status = children.requests[status] = self.key_requests.labels(name, str(status))
+        by_status.inc()
+        if prompt is not None and completion is not None:
+            children.prompt.inc(prompt)
+            children.completion.inc(completion)
+
+    def forget_key(self, name: str) -> None:
+        """Stop exporting a key's series (revoked or changed; "*": every key), so per-key cardinality follows the
+        live keys. A key still in use starts new series: Prometheus reads the reset as a counter restart."""
+        names = list(self._keys) if name == "*" else [name]
+        for key in names:
+            children = self._keys.pop(key, None)
+            if children is None:
+                continue
+            for status in children.requests:
+                self.key_requests.remove(key, str(status))
+            for kind in ("prompt", "completion"):
+                self.key_tokens.remove(key, kind)
+
+
+class _KeyChildren:
+    """One key's labelled children, created on its first request."""
+
+    __slots__ = ("completion", "prompt", "requests")
+
+    def __init__(self, prompt: Any, completion: Any) -> None:
+        self.prompt = prompt
+        self.completion = completion
+        self.requests: dict[int, Any] = {}
+
+
+class _GpuActivity(Protocol):
+    """What `doctor.nvml.GpuActivity` holds (a Protocol: this module is a leaf)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def utilization(self) -> float | None: ...
+    @property
+    def memory_used(self) -> int: ...
+    @property
+    def memory_total(self) -> int: ...
+    @property
+    def temperature(self) -> float | None: ...
+    @property
+    def power(self) -> float | None: ...
+    @property
+    def pcie_tx(self) -> float | None: ...
+    @property
+    def pcie_rx(self) -> float | None: ...
+
+
+# name, help, attribute of the activity reading.
+_GPU_GAUGES = (
+    (
+        "nemotron_gateway_gpu_utilization_ratio",
+        "Fraction of the last sample period a kernel ran on the GPU.",
+        "utilization",
+    ),
+    ("nemotron_gateway_gpu_memory_used_bytes", "GPU memory in use (every process).", "memory_used"),
+    ("nemotron_gateway_gpu_memory_total_bytes", "GPU memory in all.", "memory_total"),
+    ("nemotron_gateway_gpu_temperature_celsius", "GPU core temperature.", "temperature"),
+    ("nemotron_gateway_gpu_power_watts", "GPU power draw.", "power"),
+    ("nemotron_gateway_gpu_pcie_transmit_bytes_per_second", "PCIe throughput, device to host.", "pcie_tx"),
+    ("nemotron_gateway_gpu_pcie_receive_bytes_per_second", "PCIe throughput, host to device.", "pcie_rx"),
+)
+
+
+class GpuCollector(Collector):
+    """The machine's GPUs, read when Prometheus scrapes (the scrape runs off the event loop); no GPU, no
+    series. Labelled gpu (index), name and uuid, as NVIDIA's DCGM exporter labels them."""
+
+    def __init__(self, read: Callable[[], Sequence[_GpuActivity]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gpus = self._read()
+        if not gpus:
+            return
+        for name, documentation, attribute in _GPU_GAUGES:
+            family = GaugeMetricFamily(name, documentation, labels=("gpu", "name", "uuid"))
+            for gpu in gpus:
+                value = getattr(gpu, attribute)
+                if value is not None:
+                    family.add_metric((str(gpu.index), gpu.name, gpu.uuid), float(value))
+            yield family
+
+
+class _HasValue(Protocol):
+    @property
+    def value(self) -> str: ...
+
+
+class _RestartRecord(Protocol):
+    @property
+    def cause(self) -> _HasValue: ...
 
 
 class _SupervisorStatus(Protocol):
@@ -84,35 +258,54 @@ class _SupervisorStatus(Protocol):
     def restarts(self) -> int: ...
     @property
     def last_exit_code(self) -> int | None: ...
-
-
-class _HasValue(Protocol):
     @property
-    def value(self) -> str: ...
+    def since(self) -> float: ...
+    @property
+    def history(self) -> list[Any]: ...
 
 
 SUPERVISOR_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping", "stopped", "failed")
+# RestartCause values (supervisor/state.py), as label values.
+EXIT_CAUSES = ("crash", "start_failed", "not_generating", "unresponsive")
 
 
 class SupervisorMetrics:
-    """The engine supervisor's metrics (its own process, its own registry and port)."""
+    """The engine supervisor's metrics (its own process, its own registry and port).
+
+    Named `nemotron_supervisor_*`: the gateway's `nemotron_gateway_engine_up` is its own probe's view, this is
+    the supervisor's, and one Prometheus scrapes both."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.state = Gauge(
-            "nemotron_gateway_engine_state",
+            "nemotron_supervisor_engine_state",
             "1 for the supervisor's current engine state, 0 for the others.",
             ["state"],
             registry=r,
         )
-        self.up = Gauge("nemotron_gateway_engine_up", "1 while the engine is ready, else 0.", registry=r)
-        self.restarts = Gauge(
-            "nemotron_gateway_engine_restarts", "Engine restarts since the supervisor started.", registry=r
+        self.up = Gauge("nemotron_supervisor_engine_up", "1 while the engine is ready, else 0.", registry=r)
+        self.restarts = Counter(
+            "nemotron_supervisor_engine_restarts", "Engine restarts since the supervisor started.", registry=r
         )
         self.last_exit_code = Gauge(
-            "nemotron_gateway_engine_last_exit_code", "Exit code of the engine's last exit (-N: signal N).", registry=r
+            "nemotron_supervisor_engine_last_exit_code",
+            "Exit code of the engine's last exit (-N: signal N).",
+            registry=r,
         )
+        self.last_exit = Gauge(
+            "nemotron_supervisor_engine_last_exit",
+            "1 for the cause of the engine's last unasked end (crash, start_failed, not_generating, unresponsive).",
+            ["cause"],
+            registry=r,
+        )
+        self.startup_duration = Gauge(
+            "nemotron_supervisor_engine_startup_duration_seconds",
+            "Seconds the engine's last start took, from spawn to ready.",
+            registry=r,
+        )
+        self._restarts_seen = 0
+        self._starting_since: float | None = None
 
     def observe(self, status: _SupervisorStatus) -> None:
         """Export a status snapshot."""
@@ -120,6 +313,19 @@ class SupervisorMetrics:
         for state in SUPERVISOR_STATES:
             self.state.labels(state).set(1 if state == current else 0)
         self.up.set(1 if current == "ready" else 0)
-        self.restarts.set(status.restarts)
+        if status.restarts > self._restarts_seen:
+            self.restarts.inc(status.restarts - self._restarts_seen)
+            self._restarts_seen = status.restarts
         if status.last_exit_code is not None:
             self.last_exit_code.set(status.last_exit_code)
+        if status.history:
+            last = status.history[-1].cause.value.replace(" ", "_")
+            for cause in EXIT_CAUSES:
+                self.last_exit.labels(cause).set(1 if cause == last else 0)
+        if current == "starting" and self._starting_since is None:
+            self._starting_since = status.since
+        elif current == "ready" and self._starting_since is not None:
+            self.startup_duration.set(status.since - self._starting_since)
+            self._starting_since = None
+        elif current != "starting":
+            self._starting_since = None

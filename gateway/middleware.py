@@ -15,8 +15,10 @@ import logging
 import os
 import re
 import time
+from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.errors import RequestTimeoutError
@@ -32,6 +34,8 @@ _VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
 CLIENT_CLOSED_REQUEST = 499
 # Where ForwardedClientMiddleware keeps the socket's peer while uvicorn's proxy middleware runs.
 _PEER = "gateway.peer"
+# Prometheus's scrapes (every few seconds) are not access-logged.
+_SCRAPES = frozenset(("/metrics", "/metrics/engine"))
 
 
 def loggable(text: str) -> str:
@@ -102,6 +106,7 @@ class RequestContextMiddleware:
         routes: frozenset[str],
         http: HttpSettings,
         access_log: bool = True,
+        log_format: str = "text",
     ) -> None:
         self.app = app
         self.metrics = metrics
@@ -109,6 +114,7 @@ class RequestContextMiddleware:
         self.routes = routes
         self.http = http
         self.access_log = access_log
+        self._log = _json_line if log_format == "json" else _text_line
         # Labelled children looked up once: `.labels()` on every request showed in the profile.
         self._by_route: dict[tuple[str, int], tuple[Any, Any]] = {}
 
@@ -149,29 +155,68 @@ class RequestContextMiddleware:
         children[0].inc()
         children[1].observe(duration)
         ttft = None if record.first_chunk_at is None else record.first_chunk_at - record.started_at
+        completion = record.completion_tokens
         if ttft is not None:
             metrics.time_to_first_token.observe(ttft)
-        if record.prompt_tokens is not None and record.completion_tokens is not None:
+            if record.stream and completion is not None and completion > 1:
+                metrics.inter_token_latency.observe((duration - ttft) / (completion - 1))
+        if record.prompt_tokens is not None and completion is not None:
             metrics.tokens.labels("prompt").inc(record.prompt_tokens)
-            metrics.tokens.labels("completion").inc(record.completion_tokens)
-        if self.access_log and route != "/metrics":
-            client = scope.get("client")
-            access_logger.info(
-                '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s%s',
-                loggable(client[0]) if client else "-",
-                loggable(scope["method"]),
-                loggable(path),
-                status,
-                duration * 1000,
-                record.request_id,
-                loggable(record.key_name) if record.key_name else "-",
-                loggable(record.model) if record.model else "-",
-                "yes" if record.stream else "no",
-                "-" if record.prompt_tokens is None else record.prompt_tokens,
-                "-" if record.completion_tokens is None else record.completion_tokens,
-                "-" if ttft is None else f"{ttft * 1000:.1f}ms",
-                f" engine_error={record.engine_error}" if record.engine_error else "",
-            )
+            metrics.tokens.labels("completion").inc(completion)
+        if record.key_name is not None:
+            metrics.count_key(record.key_name, status, record.prompt_tokens, completion)
+        if status == 429:
+            metrics.rate_limited.labels(record.cause or "requests").inc()
+        elif status == 401:
+            metrics.auth_failures.labels(record.cause or "invalid").inc()
+        if self.access_log and route not in _SCRAPES:
+            self._log(scope, record, status, duration, ttft)
+
+
+def _text_line(scope: Scope, record: RequestRecord, status: int, duration: float, ttft: float | None) -> None:
+    client = scope.get("client")
+    access_logger.info(
+        '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s%s',
+        loggable(client[0]) if client else "-",
+        loggable(scope["method"]),
+        loggable(scope["path"]),
+        status,
+        duration * 1000,
+        record.request_id,
+        loggable(record.key_name) if record.key_name else "-",
+        loggable(record.model) if record.model else "-",
+        "yes" if record.stream else "no",
+        "-" if record.prompt_tokens is None else record.prompt_tokens,
+        "-" if record.completion_tokens is None else record.completion_tokens,
+        "-" if ttft is None else f"{ttft * 1000:.1f}ms",
+        f" engine_error={record.engine_error}" if record.engine_error else "",
+    )
+
+
+def _json_line(scope: Scope, record: RequestRecord, status: int, duration: float, ttft: float | None) -> None:
+    """One JSON object: what a log shipper indexes. JSON escaping keeps a client's text from forging lines; the
+    prompt and any key material are never in it."""
+    client = scope.get("client")
+    line = {
+        "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "request_id": record.request_id,
+        "key": record.key_name,
+        "model": record.model,
+        "method": scope["method"],
+        "route": scope["path"],
+        "status": status,
+        "stream": record.stream,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "reasoning_tokens": record.reasoning_tokens,
+        "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
+        "duration_ms": round(duration * 1000, 1),
+        "client": client[0] if client else None,
+        "disconnected": record.client_disconnected,
+        "engine_error": record.engine_error,
+        "cause": record.cause,
+    }
+    access_logger.info("%s", orjson.dumps(line).decode())
 
 
 @functools.lru_cache(maxsize=4096)

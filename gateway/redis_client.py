@@ -1,6 +1,6 @@
 """The one home of redis-py in the gateway: the pooled client, the error boundary, the pub/sub listener.
 
-Imports settings, errors and background only. Every Redis call of the services goes through `RedisCalls`,
+Imports settings, errors, metrics and background only. Every Redis call of the services goes through `RedisCalls`,
 which bounds it by one deadline (`redis.command_timeout`), retries it once on a fresh connection after a
 connection error, and maps what redis-py raises to KeyStoreUnavailableError (503, fail closed).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
@@ -29,6 +30,7 @@ from redis.maint_notifications import MaintNotificationsConfig
 
 from gateway.background import BackgroundTask, Backoff
 from gateway.errors import KeyStoreUnavailableError
+from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -59,12 +61,16 @@ def connect_redis(settings: Settings) -> redis_asyncio.Redis:
 class RedisCalls:
     """The error boundary around every Redis call: one deadline, one retry, one mapping."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: GatewayMetrics | None = None) -> None:
         self.timeout = settings.redis.command_timeout
+        # Every call's time and every failure (nemotron_gateway_redis_call_duration_seconds, _redis_errors_total).
+        self._duration = None if metrics is None else metrics.redis_call_duration
+        self._errors = None if metrics is None else metrics.redis_errors
 
     async def __call__(self, work: Callable[[], Awaitable[T]], *, unavailable: str = UNAVAILABLE) -> T:
         """`await work()` within `redis.command_timeout`; on a connection error, once more (on another pooled
         connection, reconnected if dead). `work` must be safe to run twice. KeyStoreUnavailableError otherwise."""
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):
                 try:
@@ -73,7 +79,12 @@ class RedisCalls:
                     logger.debug("Redis connection error (%s); retrying once on a fresh connection", exc)
                     return await work()
         except REDIS_ERRORS as exc:
+            if self._errors is not None:
+                self._errors.inc()
             raise KeyStoreUnavailableError(unavailable) from exc
+        finally:
+            if self._duration is not None:
+                self._duration.observe(time.perf_counter() - started)
 
 
 class PubSubListener:

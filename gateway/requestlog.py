@@ -46,6 +46,9 @@ class RequestRecord:
     completion_tokens: int | None = None
     client_disconnected: bool = False
     engine_error: EngineErrorKind | None = None
+    # A refusal's cause class (GatewayError.cause: the limit of a 429, the class of a 401), for metrics and logs.
+    cause: str | None = None
+    reasoning_tokens: int | None = None
     # The id the engine saw: the client's id plus a random suffix, so two clients sending the same
     # X-Request-ID never collide inside the engine (the client still gets its own id back).
     engine_request_id: str | None = None
@@ -56,6 +59,9 @@ class RequestRecord:
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(prompt, int) and isinstance(completion, int):
                 self.prompt_tokens, self.completion_tokens = prompt, completion
+            details = usage.get("completion_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+                self.reasoning_tokens = details["reasoning_tokens"]
 
     @property
     def total_tokens(self) -> int | None:

@@ -12,6 +12,7 @@ import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
 from gateway.auth import KeyStore
+from gateway.exposition import Exposition
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import FailedAuthGuard, RedisRateLimiter
 from gateway.redis_client import connect_redis
@@ -37,6 +38,7 @@ class Services:
     keys: KeyStore
     limiter: RedisRateLimiter
     guard: FailedAuthGuard
+    exposition: Exposition
 
     @classmethod
     def build(cls, settings: Settings, metrics: GatewayMetrics) -> Services:
@@ -52,9 +54,10 @@ class Services:
             monitor=monitor,
             relay=EngineRelay(engine, monitor, activity, settings, metrics),
             redis=redis,
-            keys=KeyStore(redis, settings),
-            limiter=RedisRateLimiter(redis, settings),
-            guard=FailedAuthGuard(redis, settings),
+            keys=KeyStore(redis, settings, metrics),
+            limiter=RedisRateLimiter(redis, settings, metrics),
+            guard=FailedAuthGuard(redis, settings, metrics),
+            exposition=Exposition(settings, metrics),
         )
 
     async def start(self) -> None:
@@ -82,6 +85,7 @@ class Services:
         await self.monitor.stop()
         await self.engine.stop()
         await self.redis.aclose()
+        self.exposition.stop()
 
     async def check_redis(self) -> str | None:
         """Ping Redis: None when it answers, else why not."""

@@ -297,6 +297,30 @@ class HttpSettings(_Group):
     )
 
 
+class MetricsSettings(_Group):
+    """`NEMOTRON_METRICS__*`: what /metrics and /metrics/engine export, and to whom."""
+
+    per_key: bool = Field(
+        True,
+        description="Label per-key series (tokens, requests, rejections) with the key's name; turn off for "
+        "deployments with many keys. A revoked key's series stop being exported.",
+    )
+    allowed_networks: str = Field(
+        "127.0.0.0/8,::1/128",
+        description="Comma-separated networks (CIDR) whose scrapes of /metrics and /metrics/engine are answered "
+        "without a token; others get 403 unless they send `metrics.token`.",
+    )
+    token: SecretStr | None = Field(
+        None,
+        description="Bearer token that opens /metrics and /metrics/engine from any address (Prometheus's "
+        "`authorization` in its scrape config).",
+    )
+    engine: bool = Field(
+        True, description="Relay the engine's own Prometheus metrics (vLLM's `vllm:*`) at /metrics/engine."
+    )
+    engine_timeout: float = Field(5.0, gt=0, description="Seconds the engine's /metrics may take for one scrape.")
+
+
 class Settings(BaseSettings):
     """The gateway's configuration: environment variables `NEMOTRON_<FIELD>`, an optional env file, or flags.
 
@@ -354,6 +378,11 @@ class Settings(BaseSettings):
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Write one access-log line per request.")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Access-log format: `text` (one human line) or `json` (one JSON object per request, for a log "
+        "shipper); neither ever holds a key or, by default, the prompt.",
+    )
     shutdown_grace: float = Field(
         30.0, ge=0, description="Seconds a stopping gateway lets open requests and streams finish before closing them."
     )
@@ -369,6 +398,7 @@ class Settings(BaseSettings):
     limits: RateLimitSettings = Field(default_factory=RateLimitSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @field_validator("engine_url")
     @classmethod
@@ -413,6 +443,26 @@ def unknown_variables(env_file: Path | None = None) -> list[str]:
         hint = f"; did you mean {close[0]}?" if close else ""
         warnings.append(f"{name} (in the {where}) is not a setting{hint}")
     return warnings
+
+
+# Where the gateway's worker processes share their metrics: prometheus_client's multiprocess mode, which reads
+# the variable when it is first imported, so it is set before the serving modules are (issue 9).
+METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def metrics_dir() -> Path | None:
+    """The directory the gateway's worker processes write their metrics to, when several serve one port."""
+    value = os.environ.get(METRICS_DIR_VARIABLE)
+    return Path(value) if value else None
+
+
+def share_metrics(directory: Path | None) -> None:
+    """Make the processes started from here on (and this one, before it imports prometheus_client) write their
+    metrics under `directory` for one scrape to sum; None: each process keeps its own again."""
+    if directory is None:
+        os.environ.pop(METRICS_DIR_VARIABLE, None)
+    else:
+        os.environ[METRICS_DIR_VARIABLE] = str(directory)
 
 
 def _env_file_names(path: Path) -> list[str]:

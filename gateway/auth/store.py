@@ -1,6 +1,6 @@
 """KeyStore: API key records in Redis, a short in-process cache, and pub/sub invalidation across processes.
 
-Imports errors, settings, auth.keys and redis_client, whose boundary (`RedisCalls`) maps Redis failures to
+Imports errors, settings, metrics, auth.keys and redis_client, whose boundary (`RedisCalls`) maps Redis failures to
 KeyStoreUnavailableError. Redis holds digests only; secrets are never stored, logged, or put in messages.
 """
 
@@ -35,6 +35,7 @@ from gateway.auth.keys import (
     validate_name,
 )
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError
+from gateway.metrics import GatewayMetrics
 from gateway.redis_client import PubSubListener, RedisCalls
 from gateway.settings import Settings
 
@@ -61,11 +62,18 @@ class KeyStore:
     process at once; the cache TTL (at most 1 s) bounds staleness should that subscription drop.
     """
 
-    def __init__(self, redis: redis_asyncio.Redis, settings: Settings) -> None:
+    def __init__(
+        self,
+        redis: redis_asyncio.Redis,
+        settings: Settings,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self._redis = redis
         self._settings = settings.auth
         self._hasher = KeyHasher(settings.auth.secret)
-        self._calls = RedisCalls(settings)
+        self._calls = RedisCalls(settings, metrics)
+        # A revoked or changed key's per-key series stop being exported (bounded cardinality, issue 9).
+        self._metrics = metrics
         self._cache: dict[str, _Entry] = {}
         # Digests that authenticated in this process (insertion-ordered, bounded): a client address blocked
         # by the failed-auth guard may still use these, and only these, so its guesses are never looked up.
@@ -110,10 +118,10 @@ class KeyStore:
         process fails at once, without a Redis lookup; a known one is checked as usual (revocation holds).
         """
         if not secret or not looks_like_secret(secret):
-            raise AuthenticationError(INVALID_KEY_MESSAGE)
+            raise AuthenticationError(INVALID_KEY_MESSAGE, cause="malformed")
         digest = self._hasher.digest(secret)
         if known_only and digest not in self._known:
-            raise AuthenticationError(INVALID_KEY_MESSAGE)
+            raise AuthenticationError(INVALID_KEY_MESSAGE, cause="blocked")
         now = time.monotonic()
         entry = self._cache.get(digest)
         if entry is not None and now - entry.fetched_at < self._cache_ttl:
@@ -121,7 +129,7 @@ class KeyStore:
         else:
             key = await self._fetch(digest, now, entry)
         if key.state(datetime.now(UTC)) is not KeyState.ACTIVE:
-            raise AuthenticationError(INVALID_KEY_MESSAGE)
+            raise AuthenticationError(INVALID_KEY_MESSAGE, cause="inactive")
         if digest not in self._known:
             if len(self._known) >= self._settings.cache_size:
                 del self._known[next(iter(self._known))]
@@ -219,6 +227,8 @@ class KeyStore:
     def invalidate(self, name: str) -> None:
         """Drop `name` (or every key, for `*`) from this process's cache."""
         self._generation += 1
+        if self._metrics is not None:
+            self._metrics.forget_key(name)
         if name == _FLUSH_ALL:
             self._cache.clear()
             return
@@ -244,10 +254,10 @@ class KeyStore:
             raise
         if not raw:
             self._cache.pop(digest, None)
-            raise AuthenticationError(INVALID_KEY_MESSAGE)
+            raise AuthenticationError(INVALID_KEY_MESSAGE, cause="unknown")
         key, stored = _fields_to_key(_pairs(raw))
         if not KeyHasher.matches(stored, digest):
-            raise AuthenticationError(INVALID_KEY_MESSAGE)
+            raise AuthenticationError(INVALID_KEY_MESSAGE, cause="unknown")
         if generation == self._generation:
             self._remember(digest, _Entry(key, now))
         return key

@@ -165,3 +165,84 @@ def read_gpus() -> GpuReadings:
         return GpuReadings(error=f"NVML: {exc}")
     finally:
         pynvml.nvmlShutdown()
+
+
+@dataclass(frozen=True)
+class GpuActivity:
+    """One GPU's load right now, for the metrics; a figure the driver does not give is None."""
+
+    index: int
+    name: str
+    uuid: str
+    utilization: float | None  # fraction of the last sample period a kernel ran, 0..1
+    memory_used: int
+    memory_total: int
+    temperature: float | None  # degrees Celsius
+    power: float | None  # watts
+    pcie_tx: float | None  # bytes/s, device to host
+    pcie_rx: float | None  # bytes/s, host to device
+
+
+class ActivityReader:
+    """Reads every GPU's activity; NVML is initialised on the first read and kept (an init can take a second
+    on a GPU without persistence mode), shut down by `close`. No GPU or no NVML: an empty tuple, every time."""
+
+    def __init__(self) -> None:
+        self._ready: bool | None = None  # None: not tried yet; False: no NVML here
+
+    def read(self) -> tuple[GpuActivity, ...]:
+        """Every GPU's activity now (blocking: a few NVML calls per GPU; call it off the event loop)."""
+        if self._ready is None:
+            self._ready = _init()
+        if not self._ready:
+            return ()
+        try:
+            return tuple(_activity(i) for i in range(int(pynvml.nvmlDeviceGetCount())))
+        except pynvml.NVMLError:
+            return ()
+
+    def close(self) -> None:
+        """Release NVML (when it was initialised)."""
+        if self._ready:
+            pynvml.nvmlShutdown()
+        self._ready = None
+
+
+def _init() -> bool:
+    if pynvml is None:
+        return False
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    return True
+
+
+def _optional_float(read: Any, scale: float = 1.0) -> float | None:
+    try:
+        return float(read()) * scale
+    except pynvml.NVMLError:
+        return None
+
+
+def _activity(index: int) -> GpuActivity:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    utilization = _optional_float(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu, 0.01)
+    return GpuActivity(
+        index=index,
+        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+        utilization=utilization,
+        memory_used=int(memory.used),
+        memory_total=int(memory.total),
+        temperature=_optional_float(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+        power=_optional_float(lambda: pynvml.nvmlDeviceGetPowerUsage(handle), 0.001),  # NVML says milliwatts
+        # KB/s over NVML's last 20 ms window.
+        pcie_tx=_optional_float(
+            lambda: pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_TX_BYTES), 1024.0
+        ),
+        pcie_rx=_optional_float(
+            lambda: pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_RX_BYTES), 1024.0
+        ),
+    )

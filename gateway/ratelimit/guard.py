@@ -1,6 +1,6 @@
 """FailedAuthGuard: a client address that keeps failing authentication gets 429 for a while.
 
-Imports errors, settings and redis_client. The address is resolved by the app (uvicorn's forwarded-allow-ips),
+Imports errors, settings, metrics and redis_client. The address is resolved by the app (uvicorn's forwarded-allow-ips),
 not here. The guard is a brake, not a gate: if Redis is down it lets requests through, and authentication fails
 closed. A block stops guessing, not the address: keys that already authenticated in this process keep working
 from a blocked address (everyone behind one NAT), see `KeyStore.authenticate(known_only=True)`.
@@ -18,6 +18,7 @@ import time
 import redis.asyncio as redis_asyncio
 
 from gateway.errors import KeyStoreUnavailableError, RateLimitError
+from gateway.metrics import GatewayMetrics
 from gateway.redis_client import PubSubListener, RedisCalls
 from gateway.settings import Settings
 
@@ -45,10 +46,10 @@ return 0
 class FailedAuthGuard:
     """Counts 401s per client address in Redis (shared by every process) and blocks repeat offenders."""
 
-    def __init__(self, redis: redis_asyncio.Redis, settings: Settings) -> None:
+    def __init__(self, redis: redis_asyncio.Redis, settings: Settings, metrics: GatewayMetrics | None = None) -> None:
         self._redis = redis
         self._settings = settings.auth
-        self._calls = RedisCalls(settings)
+        self._calls = RedisCalls(settings, metrics)
         self._record = redis.register_script(_RECORD_FAILURE)
         # Blocks this process already knows of, so a blocked client hammering us costs no Redis call.
         self._blocked_until: dict[str, float] = {}
@@ -127,6 +128,7 @@ class FailedAuthGuard:
         return RateLimitError(
             f"Too many failed authentication attempts from this address; retry in {math.ceil(seconds)} s.",
             retry_after=seconds,
+            limit="failed_auth",
         )
 
     def _warn(self, exc: BaseException) -> None:

@@ -113,8 +113,10 @@ def rate_headers(kind: str, limit: int, window_ms: int, used: int) -> dict[str, 
     }
 
 
-def rate_limit_error(message: str, retry_after_ms: int, headers: dict[str, str]) -> RateLimitError:
+def rate_limit_error(
+    message: str, retry_after_ms: int, headers: dict[str, str], limit: str = "requests"
+) -> RateLimitError:
     """A 429 whose `retry_after` is exact; `Retry-After` is rounded up to whole seconds and
     `retry-after-ms` (read first by the OpenAI SDKs) keeps the precision."""
     merged = {"retry-after-ms": str(max(retry_after_ms, 0)), **headers}
-    return RateLimitError(message, retry_after=retry_after_ms / 1000, headers=merged)
+    return RateLimitError(message, retry_after=retry_after_ms / 1000, headers=merged, limit=limit)

@@ -1,6 +1,6 @@
 """RedisRateLimiter: one Lua script admits a request against all three limits of its key, atomically.
 
-Imports errors, settings, background, redis_client, ratelimit.limiter and its scripts (ratelimit.lua).
+Imports errors, settings, metrics, background, redis_client, ratelimit.limiter and its scripts (ratelimit.lua).
 Limits hold across every gateway process sharing Redis; the clock is Redis's `TIME`, never the processes'.
 Every Redis call goes through `RedisCalls` (one deadline, one retry on a fresh connection, errors mapped to
 KeyStoreUnavailableError).
@@ -29,6 +29,7 @@ import redis.asyncio as redis_asyncio
 
 from gateway.background import BackgroundTask, Backoff
 from gateway.errors import KeyStoreUnavailableError, RateLimitError
+from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import lua
 from gateway.ratelimit.limiter import (
     EffectiveLimits,
@@ -77,12 +78,12 @@ class RedisRateLimiter:
     not renewed, because its process died, expires after `limits.lease_ttl`.
     """
 
-    def __init__(self, redis: redis_asyncio.Redis, settings: Settings) -> None:
+    def __init__(self, redis: redis_asyncio.Redis, settings: Settings, metrics: GatewayMetrics | None = None) -> None:
         self._redis = redis
         self._settings = settings.limits
         self._window_ms = max(1, round(settings.limits.window * 1000))
         self._ttl_ms = max(1, round(settings.limits.lease_ttl * 1000))
-        self._calls = RedisCalls(settings)
+        self._calls = RedisCalls(settings, metrics)
         # An admission is retried at once, within one call's deadline; a release for as long as its slot lives.
         self._admitted_marker_ms = max(1, round(2 * self._calls.timeout * 1000))
         self._released_marker_ms = self._ttl_ms + 2 * self._admitted_marker_ms
@@ -131,7 +132,7 @@ class RedisRateLimiter:
             return
         retry_ms = max(1, round(left * 1000))
         headers = {name: value for name, value in error.headers.items() if name != "retry-after-ms"}
-        raise rate_limit_error(error.message, retry_ms, headers)
+        raise rate_limit_error(error.message, retry_ms, headers, error.cause or "requests")
 
     def effective_limits(self, key: LimitedKey) -> EffectiveLimits:
         """The key's limits with the server defaults filled in (0: unlimited)."""
@@ -178,7 +179,8 @@ class RedisRateLimiter:
         refused, retry_ms, requests_used, tokens_used = result
         lease.headers = self._headers(limits, requests_used, tokens_used)
         if refused:
-            error = rate_limit_error(self._refusal(refused, limits, tokens, retry_ms), retry_ms, lease.headers)
+            message = self._refusal(refused, limits, tokens, retry_ms)
+            error = rate_limit_error(message, retry_ms, lease.headers, _exhausted(refused))
             self._remember_refusal(key.name, refused, retry_ms, error)
             raise error
         if limits.max_concurrency:
@@ -362,6 +364,15 @@ def _resolve(own: int | None, default: int | None) -> int:
 def _bucket_keys(name: str) -> list[str]:
     # `{name}` is a hash tag: a key's buckets, leases and usage share one Redis Cluster slot.
     return [f"{_PREFIX}{{{name}}}:req", f"{_PREFIX}{{{name}}}:tok", f"{_PREFIX}{{{name}}}:lease"]
+
+
+def _exhausted(refused: int) -> str:
+    """The limit a refusal is counted under (`nemotron_gateway_rate_limited_total{limit}`): the first that applies."""
+    if refused & _REFUSED_CONCURRENCY:
+        return "concurrency"
+    if refused & _REFUSED_REQUESTS:
+        return "requests"
+    return "tokens"
 
 
 def _marker_key(name: str, kind: str, lease_id: str) -> str:

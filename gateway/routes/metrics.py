@@ -1,17 +1,37 @@
-"""/metrics: the gateway's Prometheus registry in the text exposition format."""
+"""/metrics (the gateway's Prometheus registry) and /metrics/engine (the engine's own, relayed from 127.0.0.1).
+
+Both answer only scrapes from the allowed networks or with the metrics token (`exposition.ScrapeAccess`).
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.deps import get_services
+from gateway.errors import RouteNotFoundError
 
 router = APIRouter()
 
 
+def _checked(request: Request) -> None:
+    client = request.client
+    get_services(request).exposition.access.check(client.host if client else None, request.headers.get("authorization"))
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """Prometheus scrape endpoint (bind or firewall it to the monitoring network in production)."""
-    registry = get_services(request).metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    """The gateway's metrics: requests, limits, engine errors, Redis, process and GPU figures."""
+    _checked(request)
+    body, media_type = await get_services(request).exposition.gateway()
+    return Response(body, media_type=media_type)
+
+
+@router.get("/metrics/engine")
+async def engine_metrics(request: Request) -> Response:
+    """vLLM's own metrics (`vllm:*`: queue, KV cache, its latency histograms), as the engine exposes them."""
+    _checked(request)
+    exposition = get_services(request).exposition
+    if not exposition.engine_enabled:
+        raise RouteNotFoundError("The engine's metrics are not relayed here (NEMOTRON_METRICS__ENGINE=false).")
+    body, media_type = await exposition.engine()
+    return Response(body, media_type=media_type)

@@ -40,6 +40,7 @@ SERVED: tuple[ServedRoute, ...] = (
     ServedRoute("GET", "/ready"),
     ServedRoute("HEAD", "/ready"),
     ServedRoute("GET", "/metrics"),
+    ServedRoute("GET", "/metrics/engine"),
 )
 
 

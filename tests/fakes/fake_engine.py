@@ -359,7 +359,8 @@ class FakeEngine:
         await exchange.send_empty(self.health.status)  # vLLM: a bare Response(status_code=...)
 
     async def _metrics(self, exchange: Exchange) -> None:
-        """vLLM's Prometheus names for the two figures the supervisor reads."""
+        """vLLM's Prometheus names for the two figures the supervisor reads, and the queue and KV-cache gauges
+        the shipped dashboard shows (each running request holds an eighth of the cache here)."""
         self.stats.metrics_scrapes += 1
         if self.api_frozen:
             await exchange.gone.wait()
@@ -370,6 +371,8 @@ class FakeEngine:
         text = (
             f"vllm:generation_tokens_total{labels} {float(self.generated_tokens)}\n"
             f"vllm:num_requests_running{labels} {float(self.stats.active_requests)}\n"
+            f"vllm:num_requests_waiting{labels} 0.0\n"
+            f"vllm:kv_cache_usage_perc{labels} {min(1.0, self.stats.active_requests / 8)}\n"
         ).encode()
         await exchange.start(200, b"text/plain; version=0.0.4; charset=utf-8", len(text))
         await exchange.send_body(text)

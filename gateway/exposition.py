@@ -1,0 +1,110 @@
+"""What the scrape endpoints answer and to whom: the gateway's registry (the machine's GPUs read through NVML as
+Prometheus scrapes), the engine's own metrics relayed from 127.0.0.1, and the scrape access rule.
+
+Why the engine's metrics are relayed at /metrics/engine rather than merged into /metrics: both processes export
+`process_*` and `python_*` (one name, two meanings, in one exposition), and a slow or dead engine would stall or
+fail the gateway's own scrape; relayed, each is its own Prometheus job and an engine that is down shows as that
+job's `up == 0` while the gateway's figures keep coming. The engine's port stays on 127.0.0.1.
+
+Imports settings, errors, metrics, doctor.nvml (the one NVML wrapper) and the relay's engine error mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+
+import aiohttp
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from gateway.doctor.nvml import ActivityReader
+from gateway.errors import EngineUnavailableError, MetricsForbiddenError
+from gateway.metrics import GatewayMetrics, GpuCollector
+from gateway.relay.client import engine_errors
+from gateway.settings import MetricsSettings, Settings, metrics_dir
+
+logger = logging.getLogger(__name__)
+
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(text: str) -> tuple[_Network, ...]:
+    """`127.0.0.0/8, ::1/128, 10.1.2.3` as networks (a bare address is a /32 or /128)."""
+    return tuple(ipaddress.ip_network(part.strip(), strict=False) for part in text.split(",") if part.strip())
+
+
+class ScrapeAccess:
+    """Who may scrape: a client address in the allowed networks, or anyone with the metrics bearer token."""
+
+    def __init__(self, settings: MetricsSettings) -> None:
+        self._networks = parse_networks(settings.allowed_networks)
+        self._token = None if settings.token is None else settings.token.get_secret_value().encode()
+
+    def check(self, client: str | None, authorization: str | None) -> None:
+        """MetricsForbiddenError (403) unless the scrape is allowed."""
+        if self._token is not None and authorization is not None:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._token):
+                return
+        if client is not None and self._allowed(client):
+            return
+        raise MetricsForbiddenError(
+            "Metrics are served to the monitoring networks (NEMOTRON_METRICS__ALLOWED_NETWORKS) or with the "
+            "metrics token (NEMOTRON_METRICS__TOKEN) only."
+        )
+
+    def _allowed(self, client: str) -> bool:
+        try:
+            address = ipaddress.ip_address(client)
+        except ValueError:
+            return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return any(address in network for network in self._networks)
+
+
+class Exposition:
+    """Renders the gateway's metrics and relays the engine's; `stop` releases NVML."""
+
+    def __init__(self, settings: Settings, metrics: GatewayMetrics) -> None:
+        self._engine_url = f"{settings.engine_url}/metrics"
+        self._engine_timeout = settings.metrics.engine_timeout
+        self._retry_after = settings.relay.retry_after
+        self.engine_enabled = settings.metrics.engine
+        self.access = ScrapeAccess(settings.metrics)
+        self._gpus = ActivityReader()
+        multiproc = metrics_dir()
+        if multiproc is None:
+            self._registry = metrics.registry
+        else:
+            # Several worker processes: the registry of this scrape sums what every worker wrote to the shared
+            # directory (prometheus_client's multiprocess mode), so any worker answers for all of them.
+            self._registry = CollectorRegistry()
+            MultiProcessCollector(self._registry, path=str(multiproc))  # type: ignore[no-untyped-call]  # untyped upstream
+        self._registry.register(GpuCollector(self._gpus.read))
+
+    async def gateway(self) -> tuple[bytes, str]:
+        """The gateway's exposition and its content type. Rendered in a worker thread: the GPU readings take a few
+        NVML calls (tens of ms) and must not hold the event loop that relays streams."""
+        return await asyncio.to_thread(generate_latest, self._registry), CONTENT_TYPE_LATEST
+
+    async def engine(self) -> tuple[bytes, str]:
+        """The engine's own /metrics as it answered, or EngineUnavailableError (503: the engine job is down)."""
+        within = self._engine_timeout
+        with engine_errors(f"The model engine did not answer /metrics within {within:g} s.", self._retry_after):
+            async with asyncio.timeout(within), aiohttp.ClientSession() as session:
+                async with session.get(self._engine_url) as response:
+                    body = await response.read()
+                    if response.status != 200:
+                        raise EngineUnavailableError(
+                            f"The model engine answered /metrics with HTTP {response.status}.",
+                            retry_after=self._retry_after,
+                        )
+                    return body, response.headers.get("Content-Type", CONTENT_TYPE_LATEST)
+
+    def stop(self) -> None:
+        """Release NVML."""
+        self._gpus.close()

@@ -1,0 +1,204 @@
+"""The metrics module, the scrape access rule and the JSON access line, without sockets (issue 9)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from pydantic import SecretStr
+
+from gateway.doctor.nvml import ActivityReader
+from gateway.errors import MetricsForbiddenError
+from gateway.exposition import ScrapeAccess
+from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics
+from gateway.middleware import RequestContextMiddleware
+from gateway.ratelimit.redis import _exhausted
+from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.settings import HttpSettings, MetricsSettings
+from gateway.supervisor.state import EngineState, EngineStatus, RestartCause, RestartRecord
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def _text(metrics: GatewayMetrics | SupervisorMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def test_process_and_python_collectors_are_exported() -> None:
+    text = _text(GatewayMetrics())
+    assert "process_resident_memory_bytes" in text and "process_open_fds" in text
+    assert "python_info" in text and "python_gc_collections_total" in text
+
+
+def test_per_key_series_are_labelled_by_name_and_forgotten_on_revocation() -> None:
+    metrics = GatewayMetrics()
+    metrics.count_key("team-a", 200, 3, 4)
+    metrics.count_key("team-a", 429, None, None)
+    metrics.count_key("team-b", 200, 1, 1)
+    sample = metrics.registry.get_sample_value
+    assert sample("nemotron_gateway_key_requests_total", {"key": "team-a", "status": "429"}) == 1
+    assert sample("nemotron_gateway_key_tokens_total", {"key": "team-a", "kind": "completion"}) == 4
+    metrics.forget_key("team-a")
+    text = _text(metrics)
+    assert 'key="team-a"' not in text and 'key="team-b"' in text
+    metrics.count_key("team-a", 200, 1, 1)  # a changed (not revoked) key starts again from zero
+    assert sample("nemotron_gateway_key_tokens_total", {"key": "team-a", "kind": "prompt"}) == 1
+    metrics.forget_key("*")
+    assert "key=" not in _text(metrics)
+
+
+def test_per_key_labels_can_be_turned_off() -> None:
+    metrics = GatewayMetrics(per_key=False)
+    metrics.count_key("team-a", 200, 3, 4)
+    assert "team-a" not in _text(metrics)
+
+
+@dataclass
+class _Gpu:
+    index: int = 0
+    name: str = "NVIDIA H200"
+    uuid: str = "GPU-1"
+    utilization: float | None = 0.5
+    memory_used: int = 10
+    memory_total: int = 100
+    temperature: float | None = 40.0
+    power: float | None = None  # a figure the driver does not give: no sample, not a zero
+    pcie_tx: float | None = 1024.0
+    pcie_rx: float | None = 2048.0
+
+
+def test_gpu_collector_exports_each_gpu_and_nothing_without_one() -> None:
+    metrics = GatewayMetrics()
+    metrics.registry.register(GpuCollector(lambda: [_Gpu(), _Gpu(index=1, uuid="GPU-2", memory_used=20)]))
+    sample = metrics.registry.get_sample_value
+    labels = {"gpu": "1", "name": "NVIDIA H200", "uuid": "GPU-2"}
+    assert sample("nemotron_gateway_gpu_memory_used_bytes", labels) == 20
+    assert sample("nemotron_gateway_gpu_utilization_ratio", {**labels, "gpu": "1"}) == 0.5
+    assert sample("nemotron_gateway_gpu_pcie_receive_bytes_per_second", labels) == 2048
+    assert "nemotron_gateway_gpu_power_watts{" not in _text(metrics)
+    empty = GatewayMetrics()
+    empty.registry.register(GpuCollector(lambda: []))
+    assert "nemotron_gateway_gpu" not in _text(empty)
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="this machine has an NVIDIA GPU")
+def test_activity_reader_reads_nothing_without_a_gpu() -> None:
+    reader = ActivityReader()
+    assert reader.read() == () and reader.read() == ()  # no error, no series, every time
+    reader.close()
+
+
+@dataclass
+class _Status:
+    state: EngineState
+    since: float
+    restarts: int = 0
+    last_exit_code: int | None = None
+    history: list[RestartRecord] = field(default_factory=list)
+
+
+def test_supervisor_metrics_start_up_duration_restarts_and_last_exit() -> None:
+    metrics = SupervisorMetrics()
+    sample = metrics.registry.get_sample_value
+    metrics.observe(_Status(EngineState.STARTING, since=100.0))
+    metrics.observe(_Status(EngineState.READY, since=142.5))
+    assert sample("nemotron_supervisor_engine_startup_duration_seconds") == 42.5
+    assert sample("nemotron_supervisor_engine_up") == 1
+    crash = RestartRecord(at=150.0, cause=RestartCause.NOT_GENERATING, reason="stalled", exit_code=-9)
+    metrics.observe(_Status(EngineState.RESTARTING, since=150.0, restarts=1, last_exit_code=-9, history=[crash]))
+    metrics.observe(_Status(EngineState.STARTING, since=152.0, restarts=1, last_exit_code=-9, history=[crash]))
+    metrics.observe(_Status(EngineState.READY, since=160.0, restarts=1, last_exit_code=-9, history=[crash]))
+    assert sample("nemotron_supervisor_engine_startup_duration_seconds") == 8.0
+    assert sample("nemotron_supervisor_engine_restarts_total") == 1
+    assert sample("nemotron_supervisor_engine_last_exit", {"cause": "not_generating"}) == 1
+    assert sample("nemotron_supervisor_engine_last_exit", {"cause": "crash"}) == 0
+    assert sample("nemotron_supervisor_engine_state", {"state": "ready"}) == 1
+
+
+def test_supervisor_and_gateway_names_do_not_collide() -> None:
+    gateway = {m.name for m in GatewayMetrics().registry.collect()}
+    supervisor = {m.name for m in SupervisorMetrics().registry.collect()}
+    assert not (gateway & supervisor)
+    assert all(name.startswith("nemotron_supervisor_") for name in supervisor)
+    assert EngineStatus().state.value == "starting"
+
+
+def test_a_refusal_is_counted_under_the_first_exhausted_limit() -> None:
+    # The admission script's bits (ratelimit/redis.py): 1 concurrency, 2 requests, 4 tokens, 8 too large.
+    assert _exhausted(1 | 2) == "concurrency"
+    assert _exhausted(2 | 4) == "requests"
+    assert _exhausted(4) == "tokens" and _exhausted(8) == "tokens"
+
+
+@pytest.mark.parametrize(
+    ("client", "authorization", "allowed"),
+    [
+        ("127.0.0.1", None, True),
+        ("::1", None, True),
+        ("::ffff:127.0.0.1", None, True),
+        ("10.1.2.3", None, True),
+        ("10.2.0.1", None, False),
+        ("203.0.113.9", "Bearer s3cret", True),
+        ("203.0.113.9", "bearer s3cret", True),
+        ("203.0.113.9", "Bearer wrong", False),
+        ("203.0.113.9", "Basic s3cret", False),
+        (None, None, False),
+        ("not-an-address", None, False),
+    ],
+)
+def test_scrape_access(client: str | None, authorization: str | None, allowed: bool) -> None:
+    access = ScrapeAccess(
+        MetricsSettings(allowed_networks="127.0.0.0/8, ::1/128, 10.1.0.0/16", token=SecretStr("s3cret"))
+    )
+    if allowed:
+        access.check(client, authorization)
+    else:
+        with pytest.raises(MetricsForbiddenError):
+            access.check(client, authorization)
+
+
+async def _app(scope: object, receive: object, send: object) -> None:
+    raise AssertionError("not called")
+
+
+def test_json_access_line(caplog: pytest.LogCaptureFixture) -> None:
+    metrics = GatewayMetrics()
+    middleware = RequestContextMiddleware(
+        _app, metrics, routes=frozenset({"/v1/chat/completions"}), http=HttpSettings(), log_format="json"
+    )
+    record = RequestRecord(request_id="abc", started_at=0.0, key_name="team-a", model="nemotron", stream=True)
+    record.first_chunk_at = 0.25
+    record.take_usage(
+        {"prompt_tokens": 5, "completion_tokens": 11, "completion_tokens_details": {"reasoning_tokens": 7}}
+    )
+    record.engine_error = EngineErrorKind.MID_STREAM
+    record.client_disconnected = True
+    scope = {"path": '/v1/chat/completions\n"x', "method": "POST", "client": ("198.51.100.1", 5000)}
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        middleware._finish(scope, record, 499, 1.25)
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert line["request_id"] == "abc" and line["key"] == "team-a" and line["status"] == 499
+    assert line["reasoning_tokens"] == 7 and line["ttft_ms"] == 250.0 and line["duration_ms"] == 1250.0
+    assert line["disconnected"] is True and line["engine_error"] == "mid_stream"
+    assert line["client"] == "198.51.100.1" and line["route"] == '/v1/chat/completions\n"x'
+    assert "\n" not in caplog.records[-1].getMessage()  # a client's newline cannot start a forged line
+    # The stream's inter-token latency: (1.25 - 0.25) s over 10 gaps.
+    assert metrics.registry.get_sample_value("nemotron_gateway_inter_token_latency_seconds_sum") == pytest.approx(0.1)
+
+
+def test_refusals_are_counted_by_limit_and_cause() -> None:
+    metrics = GatewayMetrics()
+    middleware = RequestContextMiddleware(_app, metrics, routes=frozenset(), http=HttpSettings(), access_log=False)
+    scope = {"path": "/v1/chat/completions", "method": "POST", "client": None}
+    for status, cause in ((429, "tokens"), (429, "failed_auth"), (401, "missing"), (401, "unknown"), (401, "unknown")):
+        record = RequestRecord(request_id="r", started_at=0.0)
+        record.cause = cause
+        middleware._finish(scope, record, status, 0.01)
+    sample = metrics.registry.get_sample_value
+    assert sample("nemotron_gateway_rate_limited_total", {"limit": "tokens"}) == 1
+    assert sample("nemotron_gateway_rate_limited_total", {"limit": "failed_auth"}) == 1
+    assert sample("nemotron_gateway_auth_failures_total", {"cause": "unknown"}) == 2
