@@ -1,6 +1,11 @@
 """Writes a tiny random-weight NemotronForCausalLM model directory that `vllm serve` (CPU build) can load.
 For tests/engine and the quickstart. Needs the cpu/gpu extra (torch, tokenizers, safetensors): the gateway
 core never imports it.
+
+`defects` seeds the chat-format faults the field reports met, for the doctor to find and a preset to fix:
+`double-bos` (the template writes BOS twice), `no-template`, `needs-system` (the template fails without a system
+message). The tokenizer also holds one added token whose text is a whole Nano-9B-v2 tool call (`TOOL_CALL_TEXT`),
+so a request can make the random model emit it (logit_bias) and the engine's tool parser is exercised for real.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-__all__ = ["CHAT_TEMPLATE", "write_demo_model"]
+__all__ = ["CHAT_TEMPLATE", "DEFECTS", "TOOL_CALL_TEXT", "write_demo_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,12 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<extra_id_1>Assistant\\n' }}{% endif %}"
 )
+
+# The Nano-9B-v2 tool-call format, as one token (not special: it is decoded into the text the parser reads).
+TOOL_CALL_TEXT = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
+# A template that breaks without a system message, as the field reports' did (KeyError: 'system').
+_NEEDS_SYSTEM = "{% if messages[0]['role'] != 'system' %}{{ raise_exception(\"KeyError: 'system'\") }}{% endif %}"
+DEFECTS = ("double-bos", "no-template", "needs-system")
 
 _SUBJECTS = (
     "The gateway|A client|The engine|Our operator|The model|Every request|The cache|A stream|The supervisor|"
@@ -104,6 +115,7 @@ def _train_tokenizer() -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(TOOL_CALL_TEXT, normalized=False, special=False)])
     bos_id = tokenizer.token_to_id(BOS)
     # Plain completions get one BOS, like the real Nemotron tokenizers; chat prompts carry it in the template.
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -170,7 +182,18 @@ def _weights(vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
+def _chat_template(defects: frozenset[str]) -> str | None:
+    if "no-template" in defects:
+        return None
+    template = CHAT_TEMPLATE
+    if "double-bos" in defects:
+        template = "{{ bos_token }}" + template
+    if "needs-system" in defects:
+        template = _NEEDS_SYSTEM + template
+    return template
+
+
+def _tokenizer_config(tokenizer: Tokenizer, defects: frozenset[str] = frozenset()) -> dict[str, Any]:
     added_tokens = {
         str(tokenizer.token_to_id(token)): {
             "content": token,
@@ -182,7 +205,15 @@ def _tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
         }
         for token in SPECIAL_TOKENS
     }
-    return {
+    added_tokens[str(tokenizer.token_to_id(TOOL_CALL_TEXT))] = {
+        "content": TOOL_CALL_TEXT,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": False,
+    }
+    config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
@@ -192,24 +223,31 @@ def _tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": MAX_POSITION_EMBEDDINGS,
         "added_tokens_decoder": added_tokens,
-        "chat_template": CHAT_TEMPLATE,
     }
+    template = _chat_template(defects)
+    if template is not None:
+        config["chat_template"] = template
+    return config
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_demo_model(directory: Path, *, seed: int = 0) -> Path:
+def write_demo_model(directory: Path, *, seed: int = 0, defects: frozenset[str] = frozenset()) -> Path:
     """Write config, weights and tokenizer into `directory` (created if needed) and return it.
 
-    The same seed gives the same files; the tokenizer does not depend on the seed.
+    The same seed gives the same files; the tokenizer does not depend on the seed. `defects` (see DEFECTS) seeds
+    chat-template faults.
     """
+    unknown = defects - set(DEFECTS)
+    if unknown:
+        raise ValueError(f"unknown defects {sorted(unknown)}; choose from {', '.join(DEFECTS)}")
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
     vocab_size = tokenizer.get_vocab_size()
     tokenizer.save(str(directory / "tokenizer.json"))
-    _write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer))
+    _write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer, defects))
     _write_json(directory / "config.json", _config(vocab_size, tokenizer))
     _write_json(
         directory / "generation_config.json",
@@ -228,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("directory", type=Path, help="where to write the model (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
+    parser.add_argument("--defect", action="append", choices=DEFECTS, default=[], help="seed a chat-template fault")
     args = parser.parse_args(argv)
-    path = write_demo_model(args.directory, seed=args.seed)
+    path = write_demo_model(args.directory, seed=args.seed, defects=frozenset(args.defect))
     sys.stdout.write(f"{path}\n")
     return 0
 

@@ -10,6 +10,7 @@ checkpoint of that scheme. Where a model preset fixes what is found, the fix nam
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,9 @@ _ANY_SCHEME = frozenset(("moe_wna16", "inc", "humming"))
 _JINJA_CHARS = "{}\n"  # vLLM takes a --chat-template holding any of these as the template itself
 # A chat template with one of these has a reasoning mode: served without a reasoning parser, `</think>` and the
 # reasoning text end up in `content` (and Nemotron 3 has hung streaming clients).
+# A template that treats the first message as the system message fails or misrenders without one (the field
+# reports' KeyError: 'system').
+_NEEDS_SYSTEM = re.compile(r"messages\[0\]\[['\"]role['\"]\]\s*!=\s*['\"]system['\"]|messages\[0\]\[['\"]content")
 # What vLLM builds the rotary embedding from (see effective_rope_theta); a flat rope_theta override does nothing.
 _ROPE_OVERRIDE = '--hf-overrides \'{"rope_parameters": {"rope_theta": N}}\''
 _REASONING_MARKERS = ("<think>", "enable_thinking", "/no_think", "detailed thinking")
@@ -269,7 +273,14 @@ def _chat_template(
     if found is None:
         fix = "pass --chat-template: vLLM answers chat requests 400 without" + _preset_fix(preset, "chat-template")
         return warned(row, "none in tokenizer_config.json, chat_template.jinja or .json", fix), None
-    return passed(row, f"from the tokenizer ({len(found)} characters)"), found
+    measured = f"from the tokenizer ({len(found)} characters)"
+    if _NEEDS_SYSTEM.search(found):
+        fix = (
+            "keep the gateway's default system message on (NEMOTRON_INJECT_SYSTEM_MESSAGE), or pass a --chat-template "
+            "that works without one" + _preset_fix(preset, "chat-template")
+        )
+        return warned(row, f"{measured}; it takes messages[0] to be the system message", fix), found
+    return passed(row, measured), found
 
 
 def _bos_content(tokenizer_config: Mapping[str, Any]) -> str | None:
@@ -299,8 +310,13 @@ def check_bos(bos: str | None, add_bos_token: bool | None, template: str | None,
     row = rows.BOS
     if bos is None:
         return passed(row, "the tokenizer has no BOS token")
-    template_adds = template is not None and ("bos_token" in template or bos in template)
+    writes = 0 if template is None else template.count("bos_token") + template.count(bos)
+    template_adds = writes > 0
     measured = f"bos {bos!r}; tokenizer adds it: {add_bos_token}; template writes it: {template_adds}"
+    if writes > 1:
+        # Every chat prompt starts with two BOS: vLLM tokenizes the rendered prompt without adding its own.
+        fix = "serve a --chat-template that writes the BOS once" + _preset_fix(preset, "chat-template")
+        return warned(row, f"{measured} ({writes} times: double BOS in every chat prompt)", fix)
     if template_adds and add_bos_token:
         fix = (
             "double BOS wherever the rendered prompt is tokenized with special tokens (/v1/completions with a "

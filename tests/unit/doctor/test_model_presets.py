@@ -83,3 +83,18 @@ def test_the_preset_supplies_the_parser_the_doctor_looks_for(tmp_path: Path) -> 
 
     assert row("generic").status is Status.FAIL
     assert row("nemotron-nano-9b-v2").status is Status.PASS
+
+
+def test_a_template_that_writes_bos_twice_is_flagged(tmp_path: Path) -> None:
+    twice = {**TOKENIZER_CONFIG, "chat_template": "{{ bos_token }}" + TOKENIZER_CONFIG["chat_template"]}
+    check = model_rows(write_model(tmp_path / "m", tokenizer_config=twice))["BOS token"]
+    assert check.status is Status.WARN and "2 times" in check.measured
+    assert "--preset nemotron-mini-4b (sets --chat-template nemotron-mini.jinja)" in check.fix
+
+
+def test_a_template_that_needs_a_system_message_is_flagged(tmp_path: Path) -> None:
+    needs = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('no system') }}{% endif %}{{ bos_token }}"
+    check = model_rows(write_model(tmp_path / "m", tokenizer_config={**TOKENIZER_CONFIG, "chat_template": needs}))
+    row = check["chat template"]
+    assert row.status is Status.WARN and "messages[0]" in row.measured
+    assert "NEMOTRON_INJECT_SYSTEM_MESSAGE" in row.fix and "--preset nemotron-mini-4b" in row.fix
