@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -65,6 +65,28 @@ def engine_errors(timeout_message: str, retry_after: float = 1.0) -> Iterator[No
         raise map_engine_error(exc, timeout_message, retry_after) from None
 
 
+# A tap sees each body chunk in the connection's data callback and returns True when it relayed it itself.
+Tap = Callable[[bytes], bool]
+# Taps by id() of the reader: aiohttp's StreamReader has __slots__, so the tap cannot be an attribute of it.
+_taps: dict[int, Tap] = {}
+
+
+class _TappedStreamReader(aiohttp.StreamReader):
+    """aiohttp's StreamReader that offers each chunk to its tap before buffering it (issue 11).
+
+    Same slots as its base, so a live reader can become one (`__class__` assignment). A chunk the tap relays
+    never enters the buffer: no future is resolved and the reading task is not woken for it.
+    """
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        tap = _taps.get(id(self))
+        if tap is not None and data and tap(data):
+            return False
+        return super().feed_data(data, size)
+
+
 class UpstreamResponse:
     """A started engine response: status and headers are known, the body is still to be read."""
 
@@ -95,12 +117,25 @@ class UpstreamResponse:
             self.close()
             raise
 
+    def tap(self, relay: Tap) -> bool:
+        """Offer every further body chunk to `relay` where it arrives, in the connection's data callback, before
+        it is buffered for `read_chunk`; a chunk `relay` returns True for is not buffered. False (and nothing
+        done) when the body is not read by aiohttp's own StreamReader."""
+        content = self._content
+        if type(content) is not aiohttp.StreamReader:
+            return False
+        content.__class__ = _TappedStreamReader
+        _taps[id(content)] = relay
+        return True
+
     def close(self) -> None:
         """Drop the connection; the engine sees the disconnect and aborts the generation."""
+        _taps.pop(id(self._content), None)
         self._response.close()
 
     def release(self) -> None:
         """Return a fully read connection to the pool."""
+        _taps.pop(id(self._content), None)
         self._response.release()
 
 

@@ -1,0 +1,162 @@
+"""The relay's fast path (issue 11): plain content chunks go from the engine connection's data callback straight to
+the client's connection through the server's BodyWriter; everything the relay must look at still goes through
+ASGI's send, and the client receives every byte in the engine's order either way. Real aiohttp StreamReader, no
+sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, cast
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.metrics import GatewayMetrics
+from gateway.relay.client import UpstreamResponse
+from gateway.relay.sse import BODY_WRITER, SSERelay
+from gateway.requestlog import RequestRecord
+from gateway.settings import RelaySettings
+from gateway.types import Message
+
+pytestmark = pytest.mark.timeout(5)
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def delta(text: str) -> bytes:
+    return event({"id": "c1", "choices": [{"index": 0, "delta": {"content": text}}]})
+
+
+USAGE_EVENT = event({"id": "c1", "choices": [], "usage": USAGE})
+
+
+class _Protocol:
+    """What StreamReader asks of its connection's protocol: whether it is connected, and flow control."""
+
+    connected = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        pass
+
+
+class _Response:
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self.status = 200
+        self.content = content
+        self.headers: dict[str, str] = {}
+
+    def close(self) -> None:
+        pass
+
+
+class Client:
+    """Both ways to the client, in one log: ("send", bytes) from ASGI send, ("direct", bytes) from the writer."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, bytes]] = []
+        self.accept_direct = True
+
+    async def receive(self) -> Message:
+        await asyncio.Event().wait()  # the client never leaves
+        raise AssertionError("unreachable")
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.body":
+            self.log.append(("send", message["body"]))
+
+    def write(self, body: bytes) -> bool:
+        if not self.accept_direct:
+            return False
+        self.log.append(("direct", body))
+        return True
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(data for _, data in self.log)
+
+    def via(self, path: str) -> list[bytes]:
+        return [data for way, data in self.log if way == path]
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never met")
+
+
+async def _relay() -> tuple[SSERelay, aiohttp.StreamReader, RequestRecord]:
+    reader = aiohttp.StreamReader(cast(Any, _Protocol()), 2**16, loop=asyncio.get_running_loop())
+    record = RequestRecord(request_id="req-1", started_at=0.0)
+    settings = RelaySettings(heartbeat_interval=5.0, chunk_timeout=5.0)
+    upstream = UpstreamResponse(cast(aiohttp.ClientResponse, _Response(reader)))
+    relay = SSERelay(upstream, record, settings, GatewayMetrics(), strip_usage=True)
+    return relay, reader, record
+
+
+async def _feed(reader: aiohttp.StreamReader, chunks: list[bytes]) -> None:
+    for chunk in chunks:
+        await _until(lambda: reader._waiter is not None)  # the relay waits on the engine for more
+        reader.feed_data(chunk)
+    await _until(lambda: reader._waiter is not None)
+    reader.feed_eof()
+
+
+async def _run(client: Client, chunks: list[bytes], *, with_writer: bool = True) -> RequestRecord:
+    relay, reader, record = await _relay()
+    scope: dict[str, Any] = {"type": "http", "method": "POST", "path": "/v1/chat/completions"}
+    if with_writer:
+        scope[BODY_WRITER] = client
+    task = asyncio.ensure_future(relay(scope, client.receive, client.send))
+    await _feed(reader, chunks)
+    await task
+    return record
+
+
+async def test_content_chunks_go_straight_to_the_client_and_the_rest_through_send() -> None:
+    client = Client()
+    contents = [delta("a"), delta("b"), delta("c")]
+    record = await _run(client, [delta(""), *contents, USAGE_EVENT, DONE])
+    # The first chunk (it times the first token), the usage chunk (read, then dropped: the client did not ask
+    # for it) and [DONE] (the key's charge is settled before it) go through send; the content goes direct.
+    assert client.via("direct") == contents
+    assert client.via("send") == [delta(""), b"", DONE, b""]  # b"": the dropped usage chunk's place
+    assert client.body == delta("") + b"".join(contents) + DONE
+    assert record.total_tokens == 8
+
+
+async def test_a_client_that_cannot_take_more_gets_the_same_bytes_through_send() -> None:
+    client = Client()
+    client.accept_direct = False  # e.g. its write buffer is full: send waits for it to drain
+    chunks = [delta(""), delta("a"), delta("b"), DONE]
+    await _run(client, chunks)
+    assert client.via("direct") == []
+    assert client.body == b"".join(chunks)
+
+
+async def test_partial_lines_wait_for_their_end_and_keep_their_order() -> None:
+    client = Client()
+    first, second = delta("x"), delta("y")
+    await _run(client, [delta(""), first[:10], first[10:] + second[:5], second[5:], delta("z"), DONE])
+    assert client.body == delta("") + first + second + delta("z") + DONE
+    # Nothing after a partial line may overtake it: the line's end and what follows take the pump's path.
+    assert client.via("direct") == [delta("z")]
+
+
+async def test_without_a_writer_every_chunk_goes_through_send() -> None:
+    client = Client()
+    chunks = [delta(""), delta("a"), DONE]
+    await _run(client, chunks, with_writer=False)
+    assert client.via("direct") == []
+    assert client.body == b"".join(chunks)
