@@ -21,13 +21,15 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from gateway import __version__
+from gateway.multiproc import shared_metrics
 from gateway.settings import Settings, unknown_variables
 from gateway.supervisor.flags import add_engine_arguments, engine_overrides
+from gateway.workers import usable_cores
 
 logger = logging.getLogger("gateway")
 
 # Flags that map one-to-one onto top-level settings (also settable as NEMOTRON_<FLAG>).
-_SETTING_FLAGS = ("host", "port", "engine_url", "redis_url", "log_level")
+_SETTING_FLAGS = ("host", "port", "engine_url", "redis_url", "log_level", "workers")
 
 # The module that runs each verb (and, for `keys` and `doctor`, declares its flags), imported on demand.
 _VERB_MODULES = {
@@ -65,6 +67,9 @@ def _add_serve(verbs: Any) -> None:
     serve.add_argument("--host", help="listen address (NEMOTRON_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (NEMOTRON_PORT, default 8000)")
     serve.add_argument("--engine-url", help="engine base URL (NEMOTRON_ENGINE_URL, default http://127.0.0.1:8001)")
+    serve.add_argument(
+        "--workers", type=int, help="gateway processes on the one port (NEMOTRON_WORKERS, default: one per usable CPU)"
+    )
     _add_common(serve)
 
 
@@ -163,8 +168,15 @@ def _run_engine_verb(args: argparse.Namespace, settings: Settings) -> int:
     return int(module.run_engine(settings))
 
 
+def _serve(args: argparse.Namespace, settings: Settings) -> int:
+    # Several workers sum their metrics from one directory; prometheus_client picks that mode when it is first
+    # imported, so the directory is named before the serving modules are imported (issue 9).
+    with shared_metrics(settings.workers or usable_cores()):
+        return int(_verb_module("serve").serve(settings))
+
+
 _VERB_RUNNERS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
-    "serve": lambda args, settings: int(_verb_module("serve").serve(settings)),
+    "serve": _serve,
     "engine": _run_engine_verb,
     "keys": lambda args, settings: int(_verb_module("keys").run_keys(args, settings)),
     "doctor": lambda args, settings: int(_verb_module("doctor").run_doctor(args, settings)),

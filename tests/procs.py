@@ -333,7 +333,8 @@ def run_gateway(
     path = "/ready" if wait_ready else "/health"
     proc = ServerProcess(
         argv,
-        env={"NEMOTRON_LOG_LEVEL": "info", **(env or {})},
+        # One process unless a test asks for more: a test that reads /metrics or a log reads one worker's.
+        env={"NEMOTRON_LOG_LEVEL": "info", "NEMOTRON_WORKERS": "1", **(env or {})},
         cwd=REPO_ROOT,
         ready_url=f"http://127.0.0.1:{port}{path}",
         port=port,

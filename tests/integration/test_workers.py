@@ -1,0 +1,148 @@
+"""`nemotron-gateway serve --workers 2`: one port, two processes, limits exact across them, a killed worker
+replaced, both drained on SIGTERM (issue 11).
+
+Which worker answers is the kernel's choice; the tests make it theirs by stopping the other one (SIGSTOP):
+a stopped process accepts nothing, so the next connection goes to the one left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.procs import REPO_ROOT, FakeEngineControl, ServerProcess, run_gateway, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+PEPPER = "workers-test-pepper"
+RPM = 6
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (the pool's workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return sorted(found)
+
+
+def _two_workers(pid: int, gone: int | None = None) -> list[int] | None:
+    """The pool's two workers once it has two (none of them `gone`), else None."""
+    workers = _children(pid)
+    return workers if len(workers) == 2 and gone not in workers else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _only(running: int, workers: list[int]) -> Iterator[None]:
+    """Every worker but `running` stopped (SIGSTOP) for the block, so `running` accepts every new connection."""
+    stopped = [pid for pid in workers if pid != running]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _create_key(redis_url: str) -> str:
+    argv = [sys.executable, "-m", "gateway", "keys", "create", "--name", "workers", "--rpm", str(RPM)]
+    argv += ["--tpm", "0", "--max-concurrency", "100", "--redis-url", redis_url]
+    env = {**os.environ, "NEMOTRON_AUTH__SECRET": PEPPER}
+    done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _post(url: str, secret: str, **body: Any) -> httpx.Response:
+    # A new connection per request: a kept-alive one would stay with the worker that accepted it.
+    payload = {"model": "nemotron-test", "prompt": "hi", "max_tokens": 1, **body}
+    with httpx.Client(timeout=30.0) as client:
+        return client.post(url + "/v1/completions", json=payload, headers={"Authorization": f"Bearer {secret}"})
+
+
+def _ready(url: str) -> bool:
+    try:
+        with httpx.Client(timeout=5.0) as client:
+            return client.get(url + "/ready").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.fixture
+def pool(engine: FakeEngineControl, redis_clean: str) -> Iterator[tuple[ServerProcess, str, str]]:
+    """A two-worker gateway with a key limited to RPM requests a minute, each worker seen ready on its own."""
+    secret = _create_key(redis_clean)
+    env = {"NEMOTRON_WORKERS": "2", "NEMOTRON_AUTH__SECRET": PEPPER, "NEMOTRON_RELAY__PROBE_INTERVAL": "0.2"}
+    with run_gateway(engine.base_url, redis_clean, env=env) as proc:
+        url = f"http://127.0.0.1:{proc.port}"
+        workers = wait_until(lambda: _two_workers(proc.pid), timeout=30)
+        for worker in workers:
+            with _only(worker, workers):
+                wait_until(lambda: _ready(url), timeout=30, message=f"worker {worker} never ready")
+        yield proc, url, secret
+
+
+def test_limits_are_exact_across_workers(pool: tuple[ServerProcess, str, str]) -> None:
+    proc, url, secret = pool
+    first, second = _children(proc.pid)
+    with _only(first, [first, second]):
+        answered = [_post(url, secret).status_code for _ in range(RPM - 2)]
+    with _only(second, [first, second]):
+        answered += [_post(url, secret).status_code for _ in range(4)]
+    # The second worker knows what the first admitted: its third request is over the key's limit.
+    assert answered == [200] * RPM + [429, 429]
+
+
+def test_a_killed_worker_is_replaced_and_serves(pool: tuple[ServerProcess, str, str]) -> None:
+    proc, url, secret = pool
+    victim, survivor = _children(proc.pid)
+    os.kill(victim, signal.SIGKILL)
+    workers = wait_until(lambda: _two_workers(proc.pid, gone=victim), timeout=30)
+    (replacement,) = set(workers) - {survivor}
+    with _only(replacement, workers):
+        wait_until(lambda: _ready(url), timeout=30, message="the replacement never served /ready")
+        assert _post(url, secret).status_code == 200
+    assert proc.running
+
+
+def test_sigterm_drains_every_worker(pool: tuple[ServerProcess, str, str]) -> None:
+    proc, url, secret = pool
+    workers = _children(proc.pid)
+    body = {"model": "nemotron-test", "prompt": "hi", "max_tokens": 20, "stream": True, "fake_token_delay": 0.05}
+    with httpx.Client(timeout=30.0) as client:
+        with client.stream(
+            "POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {secret}"}
+        ) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")  # the stream is open in one of the workers
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+    assert "data: [DONE]" in rest
+    assert proc.stop(timeout=30) == 0
+    assert not any(_alive(pid) for pid in workers)
