@@ -9,6 +9,7 @@ installed vLLM lacks it, and one log line says what was applied. Imports vLLM on
 from __future__ import annotations
 
 import logging
+import sys
 
 from vllm.tool_parsers import ToolParserManager
 
@@ -16,8 +17,20 @@ __all__ = ["TOOL_PARSER", "register"]
 
 # The name NVIDIA's model card and vLLM's cookbook use for the <TOOLCALL> format (vLLM issue #42065).
 TOOL_PARSER = "nemotron_json"
-# Under vLLM's own logger, so the line has vLLM's format and level.
-logger = logging.getLogger("vllm.engine_patches")
+logger = logging.getLogger("engine_patches")
+
+
+def _announce(message: str) -> None:
+    """One INFO line on stderr. vLLM loads plugins while it builds its argument parser, before it configures its
+    own logging, so a line sent through vLLM's loggers there would be dropped (Python's last-resort handler shows
+    warnings only); the plugin's logger has a handler of its own instead."""
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("INFO %(asctime)s [engine_patches] %(message)s", "%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    logger.info("%s", message)
 
 
 def register() -> None:
@@ -29,4 +42,4 @@ def register() -> None:
         # Lazy: the parser's module (and vLLM's protocol classes) load only when a server asks for it.
         ToolParserManager.register_lazy_module(TOOL_PARSER, "engine_patches.toolcall", "NemotronJsonToolParser")
         applied.append(f"tool parser {TOOL_PARSER} (<TOOLCALL>[...]</TOOLCALL>, Nemotron-Nano-9B-v2)")
-    logger.info("nemotron engine_patches loaded: %s", "; ".join(applied))
+    _announce("nemotron engine_patches loaded: " + "; ".join(applied))

@@ -133,16 +133,21 @@ def test_a_possible_tag_start_is_held_back_until_it_is_decided() -> None:
     assert after is not None and after.content == "<TOOLCAT"
 
 
-def test_the_plugin_registers_the_parser_under_the_model_cards_name() -> None:
+def test_the_plugin_registers_the_parser_under_the_model_cards_name(capfd: pytest.CaptureFixture[str]) -> None:
     plugin.register()
+    # vLLM calls it before configuring its logging: the line must reach stderr by the plugin's own handler.
+    assert "nemotron engine_patches loaded: tool parser nemotron_json (<TOOLCALL>" in capfd.readouterr().err
     assert "nemotron_json" in ToolParserManager.list_registered()
     assert ToolParserManager.get_tool_parser("nemotron_json") is NemotronJsonToolParser
 
 
-def test_the_plugin_keeps_a_parser_vllm_ships_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plugin_keeps_a_parser_vllm_ships_itself(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     builtin = type("Builtin", (NemotronJsonToolParser,), {})
     monkeypatch.setitem(ToolParserManager.tool_parsers, "nemotron_json", builtin)
     monkeypatch.setattr(ToolParserManager, "lazy_parsers", dict(ToolParserManager.lazy_parsers))
     ToolParserManager.lazy_parsers.pop("nemotron_json", None)
     plugin.register()
     assert ToolParserManager.get_tool_parser("nemotron_json") is builtin
+    assert "tool parser nemotron_json: vLLM's own kept" in capfd.readouterr().err
