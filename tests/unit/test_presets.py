@@ -12,6 +12,7 @@ import pytest
 from gateway import cli
 from gateway.settings import EngineSettings, Settings
 from gateway.supervisor import launch
+from gateway.supervisor.cli import write_running_env
 from gateway.supervisor.presets import (
     ReasoningSwitch,
     apply_preset,
@@ -214,3 +215,10 @@ def test_print_argv_refuses_an_unknown_preset(
     monkeypatch.setenv("NEMOTRON_ENGINE__LAUNCHER", json.dumps(LAUNCHER))
     assert cli.main(["engine", "--preset", "nope", "--model", "/m", "--print-argv"]) == 2
     assert "unknown model preset 'nope'" in capsys.readouterr().err
+
+
+def test_the_running_preset_is_written_for_a_hand_run_doctor(tmp_path: Path) -> None:
+    """`up` and `engine` record the preset in run.env, which a hand-run doctor reads (and the gateway's env gets)."""
+    settings = Settings(engine={"model": "/m", "preset": "nemotron-nano-9b-v2", "state_dir": tmp_path})
+    write_running_env(settings)
+    assert 'NEMOTRON_ENGINE__PRESET="nemotron-nano-9b-v2"' in (tmp_path / "run.env").read_text().splitlines()
