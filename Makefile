@@ -1,5 +1,5 @@
 # The README's commands. `make test` is what CI runs.
-.PHONY: run test test-fast lint bench soak
+.PHONY: run test test-fast test-deploy lint bench soak
 
 run:            ## the main job: install, model, Redis, a demo key, engine supervisor + gateway
 	scripts/run
@@ -9,6 +9,11 @@ test:           ## the whole suite from a fresh clone: venv, install, ruff, mypy
 
 test-fast:      ## the suite without the real-vLLM tier
 	scripts/test -m "not engine"
+
+test-deploy:    ## the shipped units under a real systemd (a booted Debian container; root, minutes): install.sh, restart under load
+	scripts/bootstrap
+	scripts/deploy-root
+	.venv/bin/pytest tests/deploy -m deploy -v
 
 lint:
 	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests && .venv/bin/mypy
