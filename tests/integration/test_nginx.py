@@ -30,11 +30,11 @@ def _nginx() -> str:
     return found
 
 
-def _site(gateway_port: int, listen_port: int, cert: Path, key: Path) -> str:
+def _site(gateway_ports: list[int], listen_port: int, cert: Path, key: Path) -> str:
     text = SITE.read_text()
     replacements = {
         "listen 443 ssl http2;": f"listen 127.0.0.1:{listen_port} ssl http2;",
-        "server 127.0.0.1:8000;": f"server 127.0.0.1:{gateway_port};",
+        "server 127.0.0.1:8000;": "\n    ".join(f"server 127.0.0.1:{port};" for port in gateway_ports),
         "/etc/nemotron-gateway/tls/fullchain.pem": str(cert),
         "/etc/nemotron-gateway/tls/privkey.pem": str(key),
     }
@@ -45,8 +45,9 @@ def _site(gateway_port: int, listen_port: int, cert: Path, key: Path) -> str:
 
 
 @contextmanager
-def _nginx_in_front_of(gateway_port: int, root: Path) -> Iterator[str]:
-    """The shipped site on a free port in front of `gateway_port`, with a throw-away certificate; its URL."""
+def _nginx_in_front_of(gateway_port: int, root: Path, *, before: int | None = None) -> Iterator[str]:
+    """The shipped site on a free port in front of `gateway_port` (after `before` in the upstream, when
+    given: a second gateway), with a throw-away certificate; its URL."""
     binary = _nginx()
     root.chmod(0o777)  # worker processes run as an unprivileged user and need the temp dirs
     cert, key = root / "cert.pem", root / "key.pem"
@@ -59,7 +60,8 @@ def _nginx_in_front_of(gateway_port: int, root: Path) -> Iterator[str]:
         capture_output=True,
     )
     port = free_port()
-    (root / "site.conf").write_text(_site(gateway_port, port, cert, key))
+    upstream = [gateway_port] if before is None else [before, gateway_port]
+    (root / "site.conf").write_text(_site(upstream, port, cert, key))
     (root / "nginx.conf").write_text(
         f"daemon off;\nworker_processes 1;\npid {root}/nginx.pid;\nerror_log {root}/error.log info;\n"
         "events { worker_connections 256; }\n"
@@ -177,3 +179,16 @@ def test_the_gateway_gone_gives_a_502_in_the_envelope_with_retry_after(
     assert int(answer.headers["retry-after"]) > 0
     error = answer.json()["error"]
     assert error["code"] == "gateway_unavailable" and error["type"] == "service_unavailable", error
+
+
+def test_a_refused_connection_moves_on_to_the_next_gateway_even_for_a_post(
+    tmp_path_factory: pytest.TempPathFactory, stack: tuple[str, ServerProcess]
+) -> None:
+    # A first gateway that refuses connections (stopped), the running one second: the request never reached
+    # the first, so nginx may send it on, and every completion is answered.
+    gateway = stack[1]
+    assert gateway.port is not None
+    with _nginx_in_front_of(gateway.port, tmp_path_factory.mktemp("nginx-two"), before=free_port()) as url:
+        with httpx.Client(base_url=url, verify=False, timeout=30) as http:
+            answers = [http.post("/v1/chat/completions", json=chat(max_tokens=1)) for _ in range(6)]
+    assert [answer.status_code for answer in answers] == [200] * 6
