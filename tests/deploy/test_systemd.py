@@ -49,7 +49,7 @@ LONG_STREAMS: list[dict[str, Any]] = []
 def _build(stage: Path) -> None:
     """The project's wheel, the deploy folder, the fake engine and the load script, for the container."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(stage), "."],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(stage), "."],
         cwd=REPO_ROOT,
         check=True,
         capture_output=True,
