@@ -29,7 +29,8 @@ GOAL_TOKENS_SHARE = 0.98
 GOAL_ADDED_TTFT_C1_MS = 1.0
 
 
-def _children() -> dict[int, list[int]]:
+def children_by_parent() -> dict[int, list[int]]:
+    """Every process id, grouped by its parent's (from /proc)."""
     tree: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -66,7 +67,7 @@ def role_of(command: str) -> str | None:
 
 def stack_processes(root: int) -> dict[int, str]:
     """Every descendant of `root` with a role."""
-    tree, found, todo = _children(), {}, [root]
+    tree, found, todo = children_by_parent(), {}, [root]
     while todo:
         pid = todo.pop()
         role = role_of(_cmdline(pid))

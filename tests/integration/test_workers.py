@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtest.gpu.sweep import children_by_parent
 from tests.procs import REPO_ROOT, FakeEngineControl, ServerProcess, run_gateway, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,18 +29,7 @@ RPM = 6
 
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (the pool's workers)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return sorted(found)
+    return sorted(children_by_parent().get(pid, []))
 
 
 def _two_workers(pid: int, gone: int | None = None) -> list[int] | None:
