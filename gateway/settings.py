@@ -391,6 +391,12 @@ class Settings(BaseSettings):
         description="Comma-separated addresses (or *) whose X-Forwarded-For is believed for the client address "
         "(nginx on this machine); a forwarded value that is not an IPv4 or IPv6 address is ignored.",
     )
+    workers: int | None = Field(
+        None,
+        ge=1,
+        description="Gateway processes serving the one port (`serve --workers`); keys and limits hold across them "
+        "(they live in Redis), a worker that dies is replaced. Unset: one per CPU this process may use.",
+    )
 
     relay: RelaySettings = Field(default_factory=RelaySettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
@@ -443,6 +449,22 @@ def unknown_variables(env_file: Path | None = None) -> list[str]:
         hint = f"; did you mean {close[0]}?" if close else ""
         warnings.append(f"{name} (in the {where}) is not a setting{hint}")
     return warnings
+
+
+# sd_listen_fds(3): the first socket systemd passes is fd 3.
+_SD_LISTEN_FDS_START = 3
+
+
+def inherited_listen_fd() -> int | None:
+    """The listening socket systemd passed this process (socket activation, sd_listen_fds(3)), else None.
+
+    Only when LISTEN_PID names this very process: a child that inherited the variables must not take it.
+    """
+    try:
+        pid, count = int(os.environ.get("LISTEN_PID", "")), int(os.environ.get("LISTEN_FDS", ""))
+    except ValueError:
+        return None
+    return _SD_LISTEN_FDS_START if pid == os.getpid() and count >= 1 else None
 
 
 # Where the gateway's worker processes share their metrics: prometheus_client's multiprocess mode, which reads
