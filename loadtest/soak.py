@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import orjson
 
+from loadtest.gpu.sweep import children_by_parent
 from loadtest.overhead import _create_key, _keys_cli
 from loadtest.processes import BenchProcess, free_port, python_argv, revision
 
@@ -76,13 +77,9 @@ class Tally:
 
 def _process_tree(pid: int) -> list[int]:
     """`pid` and its descendants (the gateway may serve from forked worker processes)."""
-    tree, queue = [], [pid]
-    while queue:
-        current = queue.pop()
-        tree.append(current)
-        with contextlib.suppress(OSError):
-            for task in os.scandir(f"/proc/{current}/task"):
-                queue += [int(child) for child in Path(task.path, "children").read_text().split()]
+    children, tree = children_by_parent(), [pid]
+    for member in tree:
+        tree += children.get(member, [])
     return tree
 
 
