@@ -1,9 +1,10 @@
 """The client's reasoning switch, translated into the served model's convention (issue 8).
 
 Clients send OpenAI's `reasoning_effort` ("none"/"minimal" off, anything else on) or `"reasoning": {"enabled":
-bool}`; the model preset says how the served model hears it: `chat_template_kwargs.enable_thinking`, a `/think` /
-`/no_think` line in the system message, or `detailed thinking on/off` there. Without a switch the request is left
-as the client wrote it, so the model's own default applies. Imports errors, settings and the presets' data only.
+bool}` (`{"effort": ...}` read like `reasoning_effort`); the model preset says how the served model hears it:
+`chat_template_kwargs.enable_thinking`, a `/think` / `/no_think` line in the system message, or `detailed
+thinking on/off` there. Without a switch the request is left as the client wrote it, so the model's own default
+applies. Imports errors, settings and the presets' data only.
 """
 
 from __future__ import annotations
@@ -51,14 +52,16 @@ def served_switch(engine: EngineSettings) -> ReasoningSwitch:
 def requested(data: dict[str, Any]) -> bool | None:
     """The switch the client sent (None: none), from `reasoning.enabled` or `reasoning_effort`; a 400 when they
     disagree."""
-    toggle = data.get("reasoning")
+    toggle = data.get("reasoning") or {}
     effort = data.get("reasoning_effort")
     from_effort = None if effort is None else effort not in _OFF_EFFORTS
-    from_toggle = None if toggle is None else bool(toggle["enabled"])
+    from_toggle = toggle.get("enabled")
+    if from_toggle is None and toggle.get("effort") is not None:
+        from_toggle = toggle["effort"] not in _OFF_EFFORTS
     if from_toggle is not None and from_effort is not None and from_toggle != from_effort:
         raise InvalidRequestError(
-            f"'reasoning.enabled' is {str(from_toggle).lower()} but 'reasoning_effort' {effort!r} switches reasoning "
-            f"{'on' if from_effort else 'off'}; send one of them.",
+            f"'reasoning' switches reasoning {'on' if from_toggle else 'off'} but 'reasoning_effort' {effort!r} "
+            f"switches it {'on' if from_effort else 'off'}; send one of them.",
             param="reasoning",
         )
     return from_toggle if from_toggle is not None else from_effort

@@ -62,9 +62,17 @@ class ChatMessage(_Strict):
 
 
 class ReasoningToggle(_Strict):
-    """`"reasoning": {"enabled": bool}`: the gateway's explicit reasoning switch."""
+    """`"reasoning": {"enabled": bool}` (or `{"effort": ...}`, as OpenRouter-style clients send): the gateway's
+    explicit reasoning switch."""
 
-    enabled: bool
+    enabled: bool | None = None
+    effort: ReasoningEffort | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> ReasoningToggle:
+        if self.enabled is None and self.effort is None:
+            raise ValueError('send {"enabled": true} or {"enabled": false}')
+        return self
 
 
 class StreamOptions(_Strict):

@@ -34,6 +34,9 @@ def sent(preset: str, messages: list[dict[str, Any]] | None = None, **fields: An
 
 OFF = [{"reasoning_effort": "none"}, {"reasoning_effort": "minimal"}, {"reasoning": {"enabled": False}}]
 ON = [{"reasoning_effort": "low"}, {"reasoning_effort": "high"}, {"reasoning": {"enabled": True}}]
+# OpenRouter-style clients put the effort inside `reasoning`.
+OFF.append({"reasoning": {"effort": "none"}})
+ON.append({"reasoning": {"effort": "medium"}})
 
 
 @pytest.mark.parametrize(("switch", "enabled"), [(s, False) for s in OFF] + [(s, True) for s in ON], ids=repr)
@@ -119,7 +122,14 @@ def test_a_contradictory_switch_is_a_400() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("reasoning_effort", "maximal"), ("reasoning_effort", 1), ("reasoning", {"enabled": "yes"}), ("reasoning", True)],
+    [
+        ("reasoning_effort", "maximal"),
+        ("reasoning_effort", 1),
+        ("reasoning", {"enabled": "yes"}),
+        ("reasoning", True),
+        ("reasoning", {}),
+        ("reasoning", {"effort": "huge"}),
+    ],
 )
 def test_a_malformed_switch_is_a_400(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as caught:
