@@ -6,7 +6,8 @@ Why the engine's metrics are relayed at /metrics/engine rather than merged into 
 fail the gateway's own scrape; relayed, each is its own Prometheus job and an engine that is down shows as that
 job's `up == 0` while the gateway's figures keep coming. The engine's port stays on 127.0.0.1.
 
-Imports settings, errors, metrics, doctor.nvml (the one NVML wrapper) and the relay's engine error mapping.
+Imports settings, errors, metrics, multiproc, doctor.nvml (the one NVML wrapper) and the relay's engine error
+mapping.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import logging
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.platform_collector import PlatformCollector
 
 from gateway.doctor.nvml import ActivityReader
 from gateway.errors import EngineUnavailableError, MetricsForbiddenError
-from gateway.metrics import GatewayMetrics, GpuCollector
+from gateway.metrics import GatewayMetrics, GpuCollector, WorkersCollector
+from gateway.multiproc import living_workers
 from gateway.relay.client import engine_errors
 from gateway.settings import MetricsSettings, Settings, metrics_dir
 
@@ -83,7 +86,9 @@ class Exposition:
             # Several worker processes: the registry of this scrape sums what every worker wrote to the shared
             # directory (prometheus_client's multiprocess mode), so any worker answers for all of them.
             self._registry = CollectorRegistry()
-            MultiProcessCollector(self._registry, path=str(multiproc))  # type: ignore[no-untyped-call]  # untyped upstream
+            shared = MultiProcessCollector(None, path=str(multiproc))  # type: ignore[no-untyped-call]  # untyped upstream
+            self._registry.register(WorkersCollector(shared, metrics.forgotten, lambda: living_workers(multiproc)))
+            self._registry.register(PlatformCollector(registry=None))
         self._registry.register(GpuCollector(self._gpus.read))
 
     async def gateway(self) -> tuple[bytes, str]:

@@ -6,11 +6,12 @@ engine's `vllm:` prefix, never a secret as a label.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -37,6 +38,8 @@ class GatewayMetrics:
         self.per_key = per_key
         # Per-key children looked up once per key (labels() per request showed in the profile); see forget_key.
         self._keys: dict[str, _KeyChildren] = {}
+        # Keys revoked or changed since they last counted (see forget_key).
+        self.forgotten: set[str] = set()
         self.requests = Counter(
             "nemotron_gateway_requests",
             "Requests answered, by route and HTTP status.",
@@ -144,6 +147,7 @@ class GatewayMetrics:
             return
         children = self._keys.get(name)
         if children is None:
+            self.forgotten.discard(name)
             children = self._keys[name] = _KeyChildren(
                 self.key_tokens.labels(name, "prompt"), self.key_tokens.labels(name, "completion")
             )
@@ -159,6 +163,9 @@ class GatewayMetrics:
         """Stop exporting a key's series (revoked or changed; "*": every key), so per-key cardinality follows the
         live keys. A key still in use starts new series: Prometheus reads the reset as a counter restart."""
         names = list(self._keys) if name == "*" else [name]
+        if name != "*":
+            # Several workers: the other workers' values of this key stay in the shared files; the scrape drops them.
+            self.forgotten.add(name)
         for key in names:
             children = self._keys.pop(key, None)
             if children is None:
@@ -219,6 +226,29 @@ _GPU_GAUGES = (
     ("nemotron_gateway_gpu_pcie_transmit_bytes_per_second", "PCIe throughput, device to host.", "pcie_tx"),
     ("nemotron_gateway_gpu_pcie_receive_bytes_per_second", "PCIe throughput, host to device.", "pcie_rx"),
 )
+
+
+class WorkersCollector(Collector):
+    """Several workers: their metrics summed from the shared directory (`multiprocess`), without the series of
+    keys this worker has seen revoked, and each living worker's `process_*` figures labelled with its pid (a
+    worker's RSS or open files are its own; summing them is the dashboard's choice)."""
+
+    def __init__(self, shared: Collector, forgotten: set[str], pids: Callable[[], Iterable[int]]) -> None:
+        self._shared = shared
+        self._forgotten = forgotten
+        self._pids = pids
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._shared.collect():
+            if self._forgotten:
+                family.samples = [s for s in family.samples if s.labels.get("key") not in self._forgotten]
+            yield family
+        by_name: dict[str, Metric] = {}
+        for pid in self._pids():
+            for family in ProcessCollector(pid=functools.partial(str, pid), registry=None).collect():
+                merged = by_name.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                merged.samples += [s._replace(labels={**s.labels, "pid": str(pid)}) for s in family.samples]
+        yield from by_name.values()
 
 
 class GpuCollector(Collector):

@@ -4,18 +4,20 @@ prometheus_client's multiprocess mode: every worker writes its values to files i
 sums them (`exposition.Exposition`). The library picks the mode when it is first imported, so `shared_metrics`
 runs before the serving modules are imported; it empties the directory at start and removes a private one at
 exit, and `forget_worker` drops a dead worker's live gauges (its counters stay: what it counted happened).
-Imports settings only; never prometheus_client (that would fix the mode too early).
+Imports settings and supervisor.state (pid_alive) only; never prometheus_client (that would fix the mode too early).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from gateway.settings import metrics_dir, share_metrics
+from gateway.supervisor.state import pid_alive
 
 
 @contextlib.contextmanager
@@ -47,3 +49,12 @@ def forget_worker(pid: int) -> None:
         return
     for path in directory.glob(f"gauge_live*_{pid}.db"):
         path.unlink(missing_ok=True)
+
+
+_PID = re.compile(r"_(\d+)\.db$")
+
+
+def living_workers(directory: Path) -> list[int]:
+    """The processes that wrote to `directory` and are still running (their pid ends each file's name)."""
+    pids = {int(found.group(1)) for path in directory.glob("*.db") if (found := _PID.search(path.name))}
+    return sorted(pid for pid in pids if pid_alive(pid))

@@ -56,9 +56,17 @@ class WorkerPool:
     """
 
     def __init__(
-        self, count: int, target: Callable[[socket.socket], int], sock: socket.socket, *, drain: float
+        self,
+        count: int,
+        target: Callable[[socket.socket], int],
+        sock: socket.socket,
+        *,
+        drain: float,
+        on_exit: Callable[[int], None] | None = None,
     ) -> None:
         self._count = count
+        # Told each dead worker's pid (its live metrics go with it; see multiproc.forget_worker).
+        self._on_exit = on_exit
         self._target = target
         self._sock = sock
         self._drain = drain
@@ -108,6 +116,8 @@ class WorkerPool:
                 worker.join()
                 self._workers.remove(worker)
                 assert worker.pid is not None
+                if self._on_exit is not None:
+                    self._on_exit(worker.pid)
                 lived = time.monotonic() - self._started_at.pop(worker.pid, 0.0)
                 if worker.exitcode == STARTUP_FAILURE:
                     logger.error("worker %d could not start its app; stopping the gateway", worker.pid)

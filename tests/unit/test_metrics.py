@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 from pydantic import SecretStr
 
 from gateway.doctor.nvml import ActivityReader
 from gateway.errors import MetricsForbiddenError
 from gateway.exposition import ScrapeAccess
-from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics
+from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics, WorkersCollector
 from gateway.middleware import RequestContextMiddleware
 from gateway.ratelimit.redis import _exhausted
 from gateway.requestlog import EngineErrorKind, RequestRecord
@@ -202,3 +206,21 @@ def test_refusals_are_counted_by_limit_and_cause() -> None:
     assert sample("nemotron_gateway_rate_limited_total", {"limit": "tokens"}) == 1
     assert sample("nemotron_gateway_rate_limited_total", {"limit": "failed_auth"}) == 1
     assert sample("nemotron_gateway_auth_failures_total", {"cause": "unknown"}) == 2
+
+
+class _Shared(Collector):
+    """What the multiprocess collector would read from the workers' files."""
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("nemotron_gateway_key_tokens", "tokens", labels=("key", "kind"))
+        family.add_metric(("revoked", "prompt"), 3)
+        family.add_metric(("kept", "prompt"), 5)
+        yield family
+
+
+def test_workers_collector_drops_forgotten_keys_and_labels_process_figures_by_pid() -> None:
+    registry = CollectorRegistry()
+    registry.register(WorkersCollector(_Shared(), {"revoked"}, lambda: [os.getpid()]))
+    text = generate_latest(registry).decode()
+    assert 'key="revoked"' not in text and 'key="kept"' in text
+    assert f'process_resident_memory_bytes{{pid="{os.getpid()}"}}' in text
