@@ -75,7 +75,7 @@ class Stack:
             headers={"Authorization": f"Bearer {self.key}"},
             timeout=120,
         )
-        assert answer.status_code == 200, answer.text
+        assert answer.status_code == 200, f"{answer.text}\n--- up's output ---\n{self.proc.log_text()[-6000:]}"
         return dict(answer.json())
 
     def rendered_prompt(self, **body: Any) -> tuple[list[int], str]:
@@ -150,6 +150,8 @@ def stack(defective_model: Path, redis_url: str, tmp_path_factory: pytest.TempPa
         "NEMOTRON_PORT": str(gateway_port),
         "NEMOTRON_REDIS_URL": redis_url,
         "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",
+        # The CPU engine's first generations on a busy 2-core machine may outlast the default 10 s probe.
+        "NEMOTRON_RELAY__GENERATION_PROBE_TIMEOUT": "60",
         # Requests reach the engine without a system message unless they carry one: the template must cope.
         "NEMOTRON_INJECT_SYSTEM_MESSAGE": "false",
         "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
