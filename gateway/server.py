@@ -3,7 +3,10 @@
 `serve(settings)` builds the app and runs it until SIGTERM/SIGINT. `GuardedHttpToolsProtocol` caps the
 request head (431), gives it a deadline (408, then close), closes a body still arriving after its
 deadline, and refuses connections beyond a cap at accept (503); the 408 for a slow body is answered by
-the middleware, where the route reads it. Imports the app (this is where it runs), settings and errors.
+the middleware, where the route reads it. Under systemd socket activation it serves the inherited listening
+socket, so connections wait in the kernel's queue while one gateway process replaces another (issue 10);
+from a stop signal on, /ready answers 503 (draining). Imports the app (this is where it runs), settings and
+errors.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import http
 import json
 import logging
 import resource
+import socket
 import time
 from asyncio import TimerHandle
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -23,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from gateway.app import create_app
 from gateway.errors import GatewayError, OverloadedError, RequestHeadTooLargeError, RequestTimeoutError
-from gateway.settings import Settings
+from gateway.settings import Settings, inherited_listen_fd
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,9 @@ _LOG_EVERY = 10.0
 # How long a refused or cut-off connection lingers half-closed, so the client reads its answer, not a reset.
 _REFUSAL_LINGER = 1.0
 _STARTUP_FAILURE = 3
+# A connection idle when the gateway starts draining stays open this long for a request the client may be
+# sending at that very moment, which is then answered with `Connection: close` (issue 10).
+_DRAIN_IDLE = 1.0
 
 
 def default_max_connections(settings: Settings) -> int:
@@ -123,6 +131,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._body_timer: TimerHandle | None = None
         self._linger: TimerHandle | None = None
         self._done = False  # refused or cut off: ignore whatever else arrives
+        self._draining = False  # the server is stopping: answer what arrives with `Connection: close`
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if len(self.connections) >= self._limits.max_connections:
@@ -140,6 +149,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """The server drains. uvicorn closes an idle keep-alive connection at once, which loses a request the
+        client is sending at that moment (a POST it must not resend); here such a connection gets `_DRAIN_IDLE`
+        seconds: a request that arrives is answered with `Connection: close`, silence closes it."""
+        self._draining = True
+        if self._finished():
+            return
+        if not self._idle():
+            super().shutdown()  # a response is going out: it ends with `Connection: close`
+        elif not self._head_open:
+            self._linger = self.loop.call_later(_DRAIN_IDLE, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        self._linger = None
+        if self._idle() and not self._head_open and not self.transport.is_closing():
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self._done:
@@ -177,6 +203,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._reject_head(size)
             return
         super().on_headers_complete()
+        if self._draining:
+            self.cycle.keep_alive = False
         self._body_timer = self.loop.call_later(self._limits.body_timeout, self._body_timed_out)
 
     def on_body(self, body: bytes) -> None:
@@ -258,6 +286,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._linger = self.loop.call_later(_REFUSAL_LINGER, self.transport.close)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server that marks the app as draining the moment a stop signal arrives, so /ready answers 503
+    to whoever still asks on an open connection; uvicorn then closes the listening socket and lets open
+    requests finish within `timeout_graceful_shutdown`."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler only records (the loop acts): one attribute set, read by the /ready route.
+        app: Any = self.config.app  # the FastAPI app `serve` built; uvicorn types it as any ASGI app
+        app.state.readiness.draining = True
+        super().handle_exit(sig, frame)
+
+
+def listening_sockets() -> list[socket.socket] | None:
+    """The listening socket systemd passed (socket activation), or None to bind `host:port` as usual."""
+    fd = inherited_listen_fd()
+    if fd is None:
+        return None
+    sock = socket.socket(fileno=fd)  # family and type read from the descriptor
+    logger.info("serving the listening socket systemd passed (fd %d, %s)", fd, sock.getsockname())
+    return [sock]
+
+
 def serve(settings: Settings) -> int:
     """Run the gateway under uvicorn until SIGTERM/SIGINT (open streams get `shutdown_grace` to finish)."""
     logger.info("effective settings: %s", json.dumps(settings.masked()))
@@ -284,6 +334,6 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_grace),
         server_header=False,
     )
-    server = uvicorn.Server(config)
-    server.run()
+    server = DrainingServer(config)
+    server.run(sockets=listening_sockets())
     return 0 if server.started else _STARTUP_FAILURE

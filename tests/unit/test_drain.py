@@ -1,0 +1,61 @@
+"""A stopping gateway drains: the stop signal marks the app draining and /ready answers 503 from then on (issue 10).
+
+The route is called with a real app's state and stand-in services (an engine known ready, Redis answering),
+so the only thing that can make it answer 503 is the drain.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+from fastapi import FastAPI
+from starlette.requests import Request
+
+from gateway.app import create_app
+from gateway.routes.health import ready
+from gateway.server import ClientLimits, DrainingServer, ServerConfig
+from gateway.settings import Settings
+
+pytestmark = pytest.mark.timeout(30)
+
+_OK = {"engine": {"ok": True, "reason": None}, "redis": {"ok": True, "reason": None}}
+
+
+@dataclass
+class _ReadyMonitor:
+    model: Any = None
+
+    def ready_reason(self) -> str | None:
+        return None
+
+
+@dataclass
+class _HealthyServices:
+    settings: Settings = field(default_factory=Settings)
+    monitor: _ReadyMonitor = field(default_factory=_ReadyMonitor)
+
+    async def check_redis(self) -> str | None:
+        return None
+
+
+async def _ready(app: FastAPI) -> tuple[int, dict[str, Any]]:
+    app.state.services = _HealthyServices()
+    response = await ready(Request({"type": "http", "method": "GET", "path": "/ready", "headers": [], "app": app}))
+    return response.status_code, orjson.loads(bytes(response.body))
+
+
+async def test_a_stop_signal_turns_ready_into_503_draining() -> None:
+    settings = Settings()
+    app = create_app(settings)
+    server = DrainingServer(ServerConfig(app, limits=ClientLimits.from_settings(settings)))
+    assert await _ready(app) == (200, {"status": "ready", "draining": False, **_OK})
+
+    server.handle_exit(signal.SIGTERM, None)
+
+    assert server.should_exit
+    status, body = await _ready(app)
+    assert (status, body) == (503, {"status": "draining", "draining": True, **_OK})
