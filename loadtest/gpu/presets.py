@@ -79,9 +79,17 @@ def tool_call(client: httpx.Client, gateway: str, engine: str, model: str) -> di
         "tool_choice": "auto",
         "max_tokens": 1,
         "logit_bias": {str(token["tokens"][0]): 100},
+        # Reasoning off: random weights never close </think>, so the reasoning parser would keep the call as
+        # reasoning text; off, the output is the answer and the tool parser reads it.
+        "reasoning": {"enabled": False},
     }
-    calls = _post(client, f"{gateway}/v1/chat/completions", body)["choices"][0]["message"].get("tool_calls") or []
-    return {"tool_calls": [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]}
+    message = _post(client, f"{gateway}/v1/chat/completions", body)["choices"][0]["message"]
+    calls = message.get("tool_calls") or []
+    return {
+        "tool_calls": [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls],
+        "content": message.get("content"),
+        "reasoning": message.get("reasoning_content") or message.get("reasoning"),
+    }
 
 
 THINKING_SUFFIX = (
