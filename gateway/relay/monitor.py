@@ -4,8 +4,9 @@ Requests are refused with a fast 503 while the engine is known to be down, inste
 waiting on a hung engine. Readiness must not flap under load, and must mean "it generates":
 
 - down: a refused connection (also reported by the relay at once), or /health answering non-200;
-- stuck ("engine not generating"): a one-token generation probe failed, no progress was seen since
-  it started, and either nothing was in flight or requests waited `stall_timeout` seconds without a
+- stuck ("engine not generating"): the engine generated since it came up (a cold engine's first
+  generations may be slow), then a one-token generation probe failed, no progress was seen since it
+  started, and either nothing was in flight or requests waited `stall_timeout` seconds without a
   chunk or answer. The requests in flight are then ended with an error;
 - never down for a late /health alone: a saturated engine answers /health late while it streams.
 
@@ -50,6 +51,9 @@ class EngineMonitor:
         self._probe_failed_since: float | None = None  # start of the last failed generation probe
         self._generation_probe: asyncio.Task[None] | None = None
         self._probe_refused_logged = False
+        # Progress seen before the engine last came up; "stuck" is judged only once it generated since
+        # (a cold CPU engine's first generations may outlast the probe timeout).
+        self._progress_mark = activity.last_progress
         self._published: str | None = "not probed yet"
         self.model: ModelInfo | None = None
         self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self.check)
@@ -133,11 +137,12 @@ class EngineMonitor:
 
         Probes start only from the periodic check, so an engine that fails them fast is not hammered.
         """
+        activity = self._activity
         if self._health_reason is not None or self.model is None:
             self._stuck = False
             self._probe_failed_since = None
+            self._progress_mark = activity.last_progress
             return
-        activity = self._activity
         quiet = activity.quiet_for()
         if may_probe and self._generation_probe is None and quiet >= self._relay.probe_interval:
             self._generation_probe = asyncio.create_task(
@@ -146,7 +151,10 @@ class EngineMonitor:
         failed_since = self._probe_failed_since
         if failed_since is not None and activity.last_progress >= failed_since:
             failed_since = self._probe_failed_since = None  # it generated after all
-        stuck = failed_since is not None and (activity.in_flight == 0 or quiet >= self._relay.stall_timeout)
+        warmed_up = activity.last_progress > self._progress_mark
+        stuck = (
+            warmed_up and failed_since is not None and (activity.in_flight == 0 or quiet >= self._relay.stall_timeout)
+        )
         if stuck and not self._stuck:
             ended = activity.abort_all()
             logger.warning(

@@ -103,6 +103,8 @@ async def test_health_answering_non_200_is_down_with_a_short_reason(rig: Rig) ->
 
 
 async def test_idle_engine_that_does_not_generate_is_stuck_until_it_generates_again(rig: Rig) -> None:
+    await async_wait_until(lambda: rig.engine.generations >= 1, within=5)  # it generated once: warmed up
+    await asyncio.sleep(0.2)
     rig.engine.generation_delay = 5.0  # the generation probe times out; /health still 200
     await async_wait_until(lambda: rig.monitor.ready_reason() == NOT_GENERATING, within=10)
     rig.engine.generation_delay = 0.0
@@ -132,6 +134,15 @@ async def test_busy_engine_without_progress_is_stuck_after_the_stall_timeout_and
     assert loop.time() - started >= 1.0, "not before the stall timeout while requests are in flight"
     assert rig.engine.aborted == ["ended"]
     assert rig.activity.in_flight == 0
+
+
+async def test_a_cold_engine_whose_first_generations_are_slow_is_not_stuck(rig: Rig) -> None:
+    rig.monitor.mark_down("connection refused")  # as after a restart
+    rig.engine.generation_delay = 5.0
+    assert await rig.monitor.check() is None
+    await asyncio.sleep(1.0)  # probes started and timed out
+    assert rig.engine.generations >= 1
+    assert rig.monitor.ready_reason() is None
 
 
 async def test_refused_generation_probe_or_health_is_connection_refused(rig: Rig) -> None:
