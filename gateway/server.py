@@ -12,6 +12,7 @@ errors.
 from __future__ import annotations
 
 import asyncio
+import functools
 import http
 import json
 import logging
@@ -28,7 +29,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from gateway.app import create_app
 from gateway.errors import GatewayError, OverloadedError, RequestHeadTooLargeError, RequestTimeoutError
+from gateway.multiproc import forget_worker
+from gateway.relay.sse import BODY_WRITER
 from gateway.settings import Settings, inherited_listen_fd
+from gateway.workers import STARTUP_FAILURE, WorkerPool, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +42,11 @@ _FD_HEADROOM = 64
 _LOG_EVERY = 10.0
 # How long a refused or cut-off connection lingers half-closed, so the client reads its answer, not a reset.
 _REFUSAL_LINGER = 1.0
-_STARTUP_FAILURE = 3
 # A connection idle when the gateway starts draining stays open this long for a request the client may be
 # sending at that very moment, which is then answered with `Connection: close` (issue 10).
 _DRAIN_IDLE = 1.0
+# uvicorn's default listen backlog, for the workers' shared socket as for its own.
+_BACKLOG = 2048
 
 
 def default_max_connections(settings: Settings) -> int:
@@ -115,6 +120,34 @@ def _raw_response(error: GatewayError) -> bytes:
     lines += ["content-type: application/json", f"content-length: {len(body)}", "connection: close"]
     lines += [f"{name}: {value}" for name, value in error.headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class ChunkWriter:
+    """Writes a chunk of one response's body straight to its connection, as uvicorn's `send` would, or says it
+    cannot (the client is gone, its buffer is full, the response is not chunked); the SSE relay then uses `send`.
+
+    Offered in the scope under `BODY_WRITER` so the relay can write a chunk from the engine connection's data
+    callback, below ASGI's per-message path (issue 11). Body chunks carry nothing the middleware reads.
+    """
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+
+    def write(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if (
+            cycle.disconnected
+            or cycle.transport.is_closing()  # closed by the server itself: uvloop refuses writes at once
+            or cycle.flow.write_paused
+            or not cycle.response_started
+            or cycle.response_complete
+            or not cycle.chunked_encoding
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -205,6 +238,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self._draining:
             self.cycle.keep_alive = False
+        self.scope[BODY_WRITER] = ChunkWriter(self.cycle)  # type: ignore[literal-required]  # our own scope key
         self._body_timer = self.loop.call_later(self._limits.body_timeout, self._body_timed_out)
 
     def on_body(self, body: bytes) -> None:
@@ -309,16 +343,49 @@ def listening_sockets() -> list[socket.socket] | None:
 
 
 def serve(settings: Settings) -> int:
-    """Run the gateway under uvicorn until SIGTERM/SIGINT (open streams get `shutdown_grace` to finish)."""
+    """Run the gateway until SIGTERM/SIGINT (open streams get `shutdown_grace` to finish): one process, or with
+    `workers` > 1 a `WorkerPool` of processes sharing one listening socket (the default: one per usable core)."""
     logger.info("effective settings: %s", json.dumps(settings.masked()))
     limits = ClientLimits.from_settings(settings)
+    workers = settings.workers or usable_cores()
     logger.info(
-        "client limits: %d connections, %d-byte heads within %g s, bodies within %g s",
+        "client limits: %d connections per worker, %d-byte heads within %g s, bodies within %g s",
         limits.max_connections,
         limits.max_head_bytes,
         limits.head_timeout,
         settings.http.body_timeout,
     )
+    inherited = listening_sockets()
+    if workers == 1:
+        return serve_socket(settings, limits, inherited[0] if inherited else None)
+    try:
+        sock = inherited[0] if inherited else listen(settings.host, settings.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+        return STARTUP_FAILURE
+    target = functools.partial(serve_socket, settings, limits)
+    # A dead worker's in-flight gauge must not stay in the sum the others' scrapes report.
+    pool = WorkerPool(workers, target, sock, drain=settings.shutdown_grace, on_exit=forget_worker)
+    return pool.run()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host:port` that forked workers inherit (what uvicorn's own bind does)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_socket(settings: Settings, limits: ClientLimits, sock: socket.socket | None) -> int:
+    """Build the app and run it under uvicorn, on `sock` or (None) on a socket of its own; the exit code."""
     config = ServerConfig(
         create_app(settings),
         limits=limits,
@@ -333,7 +400,8 @@ def serve(settings: Settings) -> int:
         proxy_headers=False,
         timeout_graceful_shutdown=int(settings.shutdown_grace),
         server_header=False,
+        backlog=_BACKLOG,
     )
     server = DrainingServer(config)
-    server.run(sockets=listening_sockets())
-    return 0 if server.started else _STARTUP_FAILURE
+    server.run(sockets=None if sock is None else [sock])
+    return 0 if server.started else STARTUP_FAILURE
