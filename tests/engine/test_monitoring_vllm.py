@@ -1,0 +1,115 @@
+"""The shipped scrape config against the real `vllm serve` (CPU build, demo model) under `nemotron-gateway up`:
+vLLM's own metrics reach a real Prometheus through the gateway's /metrics/engine relay, as their own job, and
+the dashboard's engine panels have data (issue 9). One engine start.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from loadtest.dashboard import load_dashboard, panel_queries
+from tests.engine.conftest import CACHE_ROOT
+from tests.engine.test_stack import _cli
+from tests.integration.test_monitoring import PROMETHEUS_DIR, _prometheus, _scrape_config
+from tests.procs import ServerProcess, free_port, wait_until
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+# What the issue names: queue, KV cache, prefix cache, vLLM's TTFT, ITL and queue-time histograms, preemptions.
+VLLM_SERIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket",
+    "vllm:num_preemptions_total",
+)
+
+
+def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
+    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
+    answer.raise_for_status()
+    result: list[dict[str, Any]] = answer.json()["data"]["result"]
+    return result
+
+
+@pytest.fixture(scope="module")
+def prometheus(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    workdir = tmp_path_factory.mktemp("vllm-monitoring")
+    engine_port, gateway_port, supervisor_port = free_port(), free_port(), free_port()
+    env = {
+        "NEMOTRON_ENGINE__MODEL": demo_model_dir,
+        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
+        "NEMOTRON_ENGINE__PORT": str(engine_port),
+        # Its own state dir: a supervisor finds the running engine of another test in a shared one.
+        "NEMOTRON_ENGINE__STATE_DIR": str(CACHE_ROOT / "engine-tests-monitoring"),
+        "NEMOTRON_ENGINE__METRICS_PORT": str(supervisor_port),
+        "NEMOTRON_PORT": str(gateway_port),
+        "NEMOTRON_REDIS_URL": redis_url,
+        "NEMOTRON_WORKERS": "1",
+        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    created = _cli(env, "keys", "create", "--name", f"monitoring-{uuid.uuid4().hex[:8]}", "--rpm", "0", "--tpm", "0")
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    proc = ServerProcess(
+        [sys.executable, "-m", "gateway", "up"],
+        env=env,
+        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
+        start_timeout=420,
+        stop_timeout=30,
+        port=gateway_port,
+    )
+    rules = Path(workdir / "alerts.yml")
+    rules.write_text((PROMETHEUS_DIR / "alerts.yml").read_text())
+    with proc.start(), _prometheus(_scrape_config(gateway_port, supervisor_port, rules), workdir / "prom") as url:
+        try:
+            _traffic(gateway_port, key)
+        except openai.APIError as exc:
+            pytest.fail(f"{exc}; the stack's output:\n{proc.tail(200)}", pytrace=False)
+        yield url
+
+
+def _traffic(gateway_port: int, key: str) -> None:
+    """Non-stream and streamed chats (a repeated prompt can hit vLLM's prefix cache)."""
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key=key, max_retries=0) as sdk:
+        for prompt in ("Hello there", "Hello there", "Tell me"):
+            sdk.chat.completions.create(
+                model="nemotron", messages=[{"role": "user", "content": prompt}], max_tokens=8, timeout=120
+            )
+            chunks = sdk.chat.completions.create(
+                model="nemotron", messages=[{"role": "user", "content": prompt}], max_tokens=8, stream=True
+            )
+            list(chunks)
+
+
+def test_vllm_metrics_reach_prometheus_through_the_gateway(prometheus: str) -> None:
+    def missing() -> list[str]:
+        return [name for name in VLLM_SERIES if not _query(prometheus, f'{name}{{job="nemotron-engine"}}')]
+
+    wait_until(lambda: not missing(), timeout=60, interval=1.0, message=f"missing in Prometheus: {missing()}")
+    ttft = _query(prometheus, 'sum(vllm:time_to_first_token_seconds_count{job="nemotron-engine"})')
+    assert float(ttft[0]["value"][1]) >= 6  # every request's first token, as vLLM measured it
+
+
+def test_every_panel_but_the_gpus_has_data_on_the_real_engine(prometheus: str) -> None:
+    queries = [q for q in panel_queries(load_dashboard()) if "_gpu_" not in q.expr]
+    # Panels that need a refusal or a failure the real-engine run does not cause.
+    quiet = ("rate_limited", "auth_failures", "engine_errors", "client_disconnects", "redis_errors", 'status!~"2.."')
+
+    def empty() -> list[str]:
+        return [q.expr for q in queries if not any(n in q.expr for n in quiet) and not _query(prometheus, q.expr)]
+
+    wait_until(lambda: not empty(), timeout=60, interval=1.0, message=f"panels without data: {empty()}")
