@@ -14,15 +14,17 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import SecretStr
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.doctor.nvml import ActivityReader
-from gateway.errors import MetricsForbiddenError
+from gateway.errors import KeyStoreUnavailableError, MetricsForbiddenError
 from gateway.exposition import ScrapeAccess
 from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics, WorkersCollector
 from gateway.middleware import RequestContextMiddleware
 from gateway.ratelimit.redis import _exhausted
+from gateway.redis_client import RedisCalls
 from gateway.requestlog import EngineErrorKind, RequestRecord
-from gateway.settings import HttpSettings, MetricsSettings
+from gateway.settings import HttpSettings, MetricsSettings, RedisSettings, Settings
 from gateway.supervisor.state import EngineState, EngineStatus, RestartCause, RestartRecord
 
 pytestmark = pytest.mark.timeout(10)
@@ -224,3 +226,21 @@ def test_workers_collector_drops_forgotten_keys_and_labels_process_figures_by_pi
     text = generate_latest(registry).decode()
     assert 'key="revoked"' not in text and 'key="kept"' in text
     assert f'process_resident_memory_bytes{{pid="{os.getpid()}"}}' in text
+
+
+async def test_redis_calls_are_timed_and_failures_counted() -> None:
+    metrics = GatewayMetrics()
+    calls = RedisCalls(Settings(redis=RedisSettings(command_timeout=1.0)), metrics)
+
+    async def answers() -> str:
+        return "ok"
+
+    async def refused() -> str:
+        raise RedisConnectionError("refused")
+
+    assert await calls(answers) == "ok"
+    with pytest.raises(KeyStoreUnavailableError):
+        await calls(refused)  # tried twice, one failure counted
+    sample = metrics.registry.get_sample_value
+    assert sample("nemotron_gateway_redis_call_duration_seconds_count") == 2
+    assert sample("nemotron_gateway_redis_errors_total") == 1
