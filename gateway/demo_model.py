@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-__all__ = ["CHAT_TEMPLATE", "DEFECTS", "TOOL_CALL_TEXT", "write_demo_model"]
+__all__ = ["CHAT_TEMPLATE", "DEFECTS", "TOOL_CALL_TEXT", "write_demo_model", "write_tiny_nemotron_h"]
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +257,57 @@ def write_demo_model(directory: Path, *, seed: int = 0, defects: frozenset[str] 
     save_file(_weights(vocab_size, seed), str(weights), metadata={"format": "pt"})
     weights.chmod(0o644)  # safetensors creates it 0600; the engine may run as another user
     logger.info("wrote demo Nemotron model (vocab %d, seed %d) to %s", vocab_size, seed, directory)
+    return directory
+
+
+def _nemotron_h_config(vocab_size: int, tokenizer: Tokenizer) -> dict[str, Any]:
+    """NVIDIA-Nemotron-Nano-9B-v2's config (loadtest/gpu/nvidia-nemotron-nano-9b-v2.json) shrunk: Mamba-2, attention
+    and MLP layers in its order (`M*M-`), relu2 MLP, the same field names vLLM's NemotronHConfig reads."""
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN_SIZE,
+        "intermediate_size": INTERMEDIATE_SIZE,
+        "num_hidden_layers": 4,
+        "hybrid_override_pattern": "M*M-",
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": 2,
+        "head_dim": HEAD_DIM,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 32,
+        "n_groups": 2,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "expand": 2,
+        "chunk_size": 128,
+        "mamba_hidden_act": "silu",
+        "mlp_hidden_act": "relu2",
+        "use_conv_bias": True,
+        "mamba_proj_bias": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "residual_in_fp32": False,
+        "rescale_prenorm_residual": True,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "tie_word_embeddings": False,
+        "pad_token_id": tokenizer.token_to_id(PAD),
+        "bos_token_id": tokenizer.token_to_id(BOS),
+        "eos_token_id": tokenizer.token_to_id(EOS),
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_tiny_nemotron_h(directory: Path) -> Path:
+    """A tiny NemotronHForCausalLM (hybrid Mamba-2, Nano-9B-v2's layout) with the demo tokenizer and no weights: it is
+    served with `--load-format dummy` (random weights), which is what the Nano-9B-v2 preset is checked with."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    _write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer))
+    _write_json(directory / "config.json", _nemotron_h_config(tokenizer.get_vocab_size(), tokenizer))
     return directory
 
 
