@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from gateway.errors import EngineTimeoutError, EngineUnavailableError, GatewayError
+from gateway.errors import EngineTimeoutError, EngineUnavailableError, GatewayError, ServiceUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
@@ -206,11 +206,29 @@ class SSERelay:
             if not self._saw_done:
                 self._record.client_disconnected = True
                 self._metrics.client_disconnects.labels("stream").inc()
+        except asyncio.CancelledError:
+            # The server cancels a response only when its shutdown grace is over: the client must learn that its
+            # answer is incomplete from the stream itself, not from a cut connection; then the cancel goes on.
+            await self._end_cancelled(send)
+            raise
         finally:
             if self._activity is not None:
                 self._activity.end(self)
             self._upstream.close()
             await self._finish()
+
+    async def _end_cancelled(self, send: Send) -> None:
+        self._parked = False  # nothing more goes out from the engine's callback
+        if self._saw_done:
+            return
+        error = ServiceUnavailableError(
+            "The gateway is shutting down and ended the stream before it finished; the answer is incomplete.",
+            retry_after=self._settings.retry_after,
+        )
+        logger.warning("stream %s ended early: %s", self._record.request_id, error.message)
+        # The response may not have started, or the client may be gone: then there is no one to tell.
+        with contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
 
     def _relay_now(self, chunk: bytes) -> bool:
         """In the engine connection's data callback: write a plain content chunk straight to the client.

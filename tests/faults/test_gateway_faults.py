@@ -38,12 +38,6 @@ def refuses_connections(port: int) -> bool:
     return False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="at the grace's end uvicorn cancels the stream's task and the relay re-raises without an error event "
-    "(gateway/relay/sse.py must send one on cancellation); remove this mark with that fix",
-)
 async def test_sigterm_lets_short_streams_finish_and_ends_long_ones_with_an_error(
     fault_engine: FakeEngineControl, redis_url: str, figures: Figures
 ) -> None:

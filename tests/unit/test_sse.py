@@ -422,3 +422,21 @@ def test_the_stream_relay_reads_through_the_client_and_never_imports_aiohttp() -
         for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
     }
     assert "aiohttp" not in imported
+
+
+async def test_a_stream_the_server_cancels_ends_with_an_error_event() -> None:
+    # uvicorn cancels a response once its shutdown grace is over: the client must see why the answer stops.
+    h = Harness([delta("a")])
+    task = asyncio.ensure_future(h.run())
+    await h.client.sent.wait()
+    while len(h.client.bodies) < 1:
+        h.client.sent.clear()
+        await h.client.sent.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    last = h.client.bodies[-1]
+    assert last["more_body"] is False
+    assert error_of(last)["type"] == "service_unavailable"
+    assert b"[DONE]" not in h.client.body
+    assert h.upstream.close_calls == 1
