@@ -2,7 +2,7 @@
 
 Handlers stay short: authenticate, read, prepare, check the model, admit, and hand the exchange to
 the engine relay (`relay/exchange.py`). The two completion handlers are dispatched by
-`app._CompletionRoutes` (no router, no FastAPI body parsing or dependency solving on the hot path)
+`app._Dispatcher` (no router, no FastAPI body parsing or dependency solving on the hot path)
 and answer with an ASGI app: the engine's whole answer, or for streams the SSE relay.
 """
 
@@ -44,6 +44,10 @@ async def _relay(request: Request, path: str, prepare: Prepare) -> ASGIApp:
     services = get_services(request)
     record = get_record(request)
     key = await require_api_key(request, services)
+    if key is not None:
+        # A key already refused for requests/min or concurrency is refused again before its body is read:
+        # an over-limit client must not make the gateway read and parse megabytes first.
+        services.limiter.precheck(key)
     body = await _read_body(request, services.settings.max_body_bytes)
     prepared = prepare(body, services.settings, services.monitor.require_ready())
     record.model, record.stream = prepared.model, prepared.stream

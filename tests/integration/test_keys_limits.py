@@ -381,6 +381,33 @@ def test_a_request_larger_than_the_tokens_limit_is_refused_as_too_large(urls: di
     assert_rate_limited(response, "Request too large", LONG_WINDOW)
 
 
+def test_a_key_over_its_requests_limit_is_refused_before_its_body_is_read(
+    urls: dict[str, str], redis_clean: str
+) -> None:
+    secret = create_keys(redis_clean, {"over": ["--rpm", "1", "--tpm", "0", "--max-concurrency", "0"]})["over"]
+    headers = auth(secret, "198.51.100.15")
+    with httpx.Client(base_url=urls["c"], timeout=10) as client:
+        assert client.post("/v1/completions", json=completion(), headers=headers).status_code == 200
+        assert_rate_limited(
+            client.post("/v1/completions", json=completion(), headers=headers),
+            f"requests per {per(LONG_WINDOW)} (limit 1)",
+            LONG_WINDOW,
+        )
+    # Now a megabyte is announced and never sent: a gateway that reads the body first would wait for it (and
+    # answer 408 at its body deadline); the refusal must come at once, from the headers alone.
+    port = int(urls["c"].rsplit(":", 1)[1])
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: {headers['Authorization']}\r\nX-Forwarded-For: {headers['X-Forwarded-For']}\r\n"
+        "Content-Length: 1000000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        raw.sendall(head.encode() + b'{"model": "')
+        answer = raw.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
+    assert b"limit 1" in answer
+
+
 # --- revocation and rotation reach every process within a second ---
 
 
