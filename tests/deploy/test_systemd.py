@@ -213,11 +213,6 @@ def test_restart_with_streams_past_the_grace_drops_nothing(box: Container, key: 
     LONG_STREAMS.extend(long)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the relay re-raises the server's shutdown cancellation without an error event (tests/faults/"
-    "test_gateway_faults.py fails the same way): a stream past the grace is cut silently",
-)
 def test_streams_past_the_grace_end_with_one_sse_error_event(box: Container, key: str) -> None:
     assert LONG_STREAMS, "test_restart_with_streams_past_the_grace_drops_nothing did not run"
     for stream in LONG_STREAMS:
