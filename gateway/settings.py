@@ -368,7 +368,7 @@ class Settings(BaseSettings):
         2048,
         ge=1,
         description="Most chat messages (or prompts in a batch) one request may carry; checked before the costly "
-        "per-message checks: on the raw body (its \"role\" keys) before it is even parsed, and exactly after.",
+        'per-message checks: on the raw body (its "role" keys) before it is even parsed, and exactly after.',
     )
     offload_body_bytes: int = Field(
         64 * 1024,
