@@ -370,12 +370,6 @@ class Settings(BaseSettings):
         description="Most chat messages (or prompts in a batch) one request may carry; checked before the costly "
         'per-message checks: on the raw body (its "role" keys) before it is even parsed, and exactly after.',
     )
-    offload_body_bytes: int = Field(
-        64 * 1024,
-        ge=0,
-        description="Bodies larger than this are parsed and validated in a worker thread, so a large body never "
-        "holds the event loop (and every other request) for more than a moment.",
-    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Write one access-log line per request.")
     log_format: Literal["text", "json"] = Field(

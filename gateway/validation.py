@@ -8,7 +8,6 @@ thread. Imports settings, errors, schemas, reasoning and the relay's ModelInfo o
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,18 +63,6 @@ class PreparedRequest:
 
 
 Prepare = Callable[[bytes, Settings, ModelInfo], PreparedRequest]
-
-
-async def prepare_off_loop(prepare: Prepare, body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
-    """`prepare(body, settings, info)`, in a worker thread when the body is over `settings.offload_body_bytes`.
-
-    Parsing and validating a 2 MB body takes tens of milliseconds; on the event loop that stalls every
-    other request (and /health) for as long. In a thread it yields the loop at the interpreter's switch
-    interval (issue 12). Small bodies stay inline: a thread hop costs more than they do.
-    """
-    if len(body) <= settings.offload_body_bytes:
-        return prepare(body, settings, info)
-    return await asyncio.to_thread(prepare, body, settings, info)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

@@ -9,21 +9,16 @@ and answer with an ASGI app: the engine's whole answer, or for streams the SSE r
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import RequestTooLargeError
-from gateway.relay.model import ModelInfo
-from gateway.settings import Settings
 from gateway.types import ASGIApp
-from gateway.validation import PreparedRequest, prepare_chat, prepare_completion
+from gateway.validation import Prepare, prepare_chat, prepare_completion
 
 router = APIRouter()
-
-Prepare = Callable[[bytes, Settings, ModelInfo], PreparedRequest]
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

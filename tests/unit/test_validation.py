@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import orjson
@@ -11,7 +10,7 @@ import pytest
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.relay.model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, Settings
-from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion, prepare_off_loop
+from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -595,22 +594,3 @@ def test_a_batch_of_prompts_counts_against_the_message_cap_but_token_ids_do_not(
         prepare_completion(completion_body(prompt=["a", "b", "c", "d"]), settings, INFO)
     assert caught.value.param == "prompt"
     prepare_completion(completion_body(prompt=list(range(100))), settings, INFO)
-
-
-async def test_large_bodies_are_prepared_off_the_event_loop() -> None:
-    settings = Settings(offload_body_bytes=1024)
-    loop_thread = threading.get_ident()
-    threads: list[int] = []
-
-    def spy(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
-        threads.append(threading.get_ident())
-        return prepare_chat(body, settings, info)
-
-    small = chat_body()
-    large = chat_body(messages=[{"role": "user", "content": "x" * 2000}])
-    assert (await prepare_off_loop(spy, small, settings, INFO)).model == MODEL
-    assert (await prepare_off_loop(spy, large, settings, INFO)).model == MODEL
-    assert threads[0] == loop_thread
-    assert threads[1] != loop_thread
-    with pytest.raises(InvalidRequestError):
-        await prepare_off_loop(spy, b"[" + large, settings, INFO)
