@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from loadtest.gpu.chart import draw, medians
 from loadtest.gpu.sweep import goals, markdown, role_of
 
 
@@ -68,3 +70,17 @@ def test_goals_pair_rounds_and_judge_each_concurrency() -> None:
     assert not by_c[1]["meets_goals"]
     # c=64: 96 % and 100 % share (median 98 %), but one error.
     assert by_c[64]["errors"] == 1 and not by_c[64]["meets_goals"]
+
+
+def test_the_chart_takes_medians_per_concurrency_and_writes_a_png(tmp_path: Path) -> None:
+    points = [
+        {"target": "direct", "concurrency": 64, "output_tokens_per_s": 100.0, "itl_p50_ms": 9.0},
+        {"target": "direct", "concurrency": 64, "output_tokens_per_s": 300.0, "itl_p50_ms": 7.0},
+        {"target": "direct", "concurrency": 1, "output_tokens_per_s": 10.0, "itl_p50_ms": 3.0},
+        {"target": "gateway", "concurrency": 64, "output_tokens_per_s": 250.0, "itl_p50_ms": 8.0},
+    ]
+    assert medians(points, "direct", "output_tokens_per_s") == ([1, 64], [10.0, 200.0])
+    assert medians(points, "gateway", "itl_p50_ms") == ([64], [8.0])
+    out = tmp_path / "chart.png"
+    draw({"run": points}, out)
+    assert out.read_bytes().startswith(b"\x89PNG")
