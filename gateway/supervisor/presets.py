@@ -10,15 +10,13 @@ from __future__ import annotations
 import enum
 import importlib.util
 import json
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from gateway.settings import EngineSettings
-from gateway.supervisor.profiles import Profile, ProfileError, load_profiles, select_profile
+from gateway.supervisor.profiles import Profile, ProfileError, load_profiles, read_tables, select_profile
 
 __all__ = [
     "Preset",
@@ -77,27 +75,9 @@ def shipped_template(name: str) -> Path:
     return path
 
 
-def _read_toml(text: str, origin: str) -> dict[str, dict[str, Any]]:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{origin} is not valid TOML: {exc}") from None
-    table = data.get("presets", {})
-    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ProfileError(f"{origin}: presets must be [presets.<name>] tables")
-    return table
-
-
 def load_presets(operator_file: Path | None = None) -> dict[str, Preset]:
     """The shipped presets, overlaid by the operator's file (the same file as their profiles)."""
-    shipped = resources.files("gateway.supervisor").joinpath("presets.toml").read_text("utf-8")
-    raw = _read_toml(shipped, "presets.toml")
-    if operator_file is not None:
-        try:
-            text = operator_file.read_text("utf-8")
-        except OSError as exc:
-            raise ProfileError(f"cannot read the profiles file {operator_file}: {exc.strerror}") from None
-        raw.update(_read_toml(text, str(operator_file)))
+    raw = read_tables("presets", operator_file)
     return {name: _resolve(name, raw, ()) for name in raw}
 
 

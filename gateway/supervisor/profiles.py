@@ -35,28 +35,38 @@ class Profile:
     hidden: bool = False
 
 
-def _read_toml(text: str, origin: str) -> dict[str, dict[str, Any]]:
+_SECTIONS = frozenset(("profiles", "presets"))
+
+
+def _read_tables(text: str, origin: str, section: str) -> dict[str, dict[str, Any]]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{origin} is not valid TOML: {exc}") from None
-    # An operator's file may hold only [presets.*] tables (read by presets.py).
-    table = data.get("profiles", {} if "presets" in data else None)
+    # An operator's file may hold profiles, presets or both; one with neither is a mistake.
+    table = data.get(section, {} if _SECTIONS & data.keys() else None)
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ProfileError(f"{origin} must contain [profiles.<name>] tables")
+        raise ProfileError(f"{origin} must contain [{section}.<name>] tables")
     return table
 
 
-def load_profiles(operator_file: Path | None = None) -> dict[str, Profile]:
-    """The shipped profiles, overlaid by the operator's file (a profile there replaces or adds one)."""
-    shipped = resources.files("gateway.supervisor").joinpath("profiles.toml").read_text("utf-8")
-    raw = _read_toml(shipped, "profiles.toml")
+def read_tables(section: str, operator_file: Path | None) -> dict[str, dict[str, Any]]:
+    """The shipped `<section>.toml`'s `[<section>.<name>]` tables, overlaid by the operator's file (a table
+    there replaces or adds one). `section` is "profiles" or "presets"."""
+    shipped = resources.files("gateway.supervisor").joinpath(f"{section}.toml").read_text("utf-8")
+    raw = _read_tables(shipped, f"{section}.toml", section)
     if operator_file is not None:
         try:
             text = operator_file.read_text("utf-8")
         except OSError as exc:
             raise ProfileError(f"cannot read the profiles file {operator_file}: {exc.strerror}") from None
-        raw.update(_read_toml(text, str(operator_file)))
+        raw.update(_read_tables(text, str(operator_file), section))
+    return raw
+
+
+def load_profiles(operator_file: Path | None = None) -> dict[str, Profile]:
+    """The shipped profiles, overlaid by the operator's file (a profile there replaces or adds one)."""
+    raw = read_tables("profiles", operator_file)
     return {name: _resolve(name, raw, ()) for name in raw}
 
 
