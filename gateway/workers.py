@@ -10,6 +10,7 @@ supervisors). Imports nothing of the gateway: `serve` hands it what a worker run
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ _MAX_PAUSE = 10.0
 _KILL_MARGIN = 5.0
 
 _fork = multiprocessing.get_context("fork")
+_PR_SET_PDEATHSIG = 1
 
 
 def usable_cores() -> int:
@@ -41,10 +43,21 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def _run_worker(target: Callable[[socket.socket], int], sock: socket.socket) -> None:
+def _die_with(parent: int) -> None:
+    # A parent killed outright (SIGKILL, the OOM killer) must not leave its workers serving the port on their
+    # own, unsupervised: the kernel then sends each of them SIGTERM, which drains and ends it.
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _run_worker(target: Callable[[socket.socket], int], sock: socket.socket, parent: int) -> None:
     # The parent's record-only handlers were inherited; the worker's server installs its own.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _die_with(parent)
     sys.exit(target(sock))
 
 
@@ -102,7 +115,7 @@ class WorkerPool:
         return self._stopping
 
     def _start_one(self) -> None:
-        worker = _fork.Process(target=_run_worker, args=(self._target, self._sock), name="gateway-worker")
+        worker = _fork.Process(target=_run_worker, args=(self._target, self._sock, os.getpid()), name="gateway-worker")
         worker.start()
         self._workers.append(worker)
         assert worker.pid is not None

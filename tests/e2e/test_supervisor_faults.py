@@ -146,13 +146,15 @@ def test_up_restarts_an_exited_gateway_and_keeps_the_engine(
     engine_pid = status(state_dir)["engine_pid"]
     first = wait_until(lambda: gateway_server_pid(proc.pid), timeout=10)
     os.kill(first, sig)
+    # The supervisor's word first: until the gateway's reaper has ended the killed gateway's workers, they
+    # still answer on the port.
+    wait_until(lambda: "restarting it in" in proc.log_text(), timeout=30)
     wait_until(lambda: gateway_server_pid(proc.pid) not in (None, first), timeout=30)
     wait_until(lambda: answers_ready(gateway_port), timeout=30)
     assert proc.running
     assert status(state_dir)["engine_pid"] == engine_pid, "the engine was not restarted"
     assert status(state_dir)["restarts"] == 0
     log = proc.log_text()
-    assert "restarting it in" in log
     # The supervisor's checks (every 0.3 s here) leave no trace in the log: no httpx line per request.
     assert "HTTP Request:" not in log
 

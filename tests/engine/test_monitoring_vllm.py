@@ -56,8 +56,10 @@ def prometheus(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.Tem
         "NEMOTRON_ENGINE__STATE_DIR": str(CACHE_ROOT / "engine-tests-monitoring"),
         "NEMOTRON_ENGINE__METRICS_PORT": str(supervisor_port),
         "NEMOTRON_PORT": str(gateway_port),
-        "NEMOTRON_REDIS_URL": redis_url,
+        # One gateway process: each worker learns the engine is ready on its own probe, so right after /ready
+        # answers 200 another worker may still refuse for up to a probe interval.
         "NEMOTRON_WORKERS": "1",
+        "NEMOTRON_REDIS_URL": redis_url,
         "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
         "HF_HUB_OFFLINE": "1",
     }

@@ -136,3 +136,13 @@ def test_sigterm_drains_every_worker(pool: tuple[ServerProcess, str, str]) -> No
     assert "data: [DONE]" in rest
     assert proc.stop(timeout=30) == 0
     assert not any(_alive(pid) for pid in workers)
+
+
+def test_workers_end_when_the_pool_parent_is_killed_outright(pool: tuple[ServerProcess, str, str]) -> None:
+    # Nothing may keep serving the port unsupervised once the process that replaces and drains them is gone.
+    proc, url, _ = pool
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    os.kill(proc.pid, signal.SIGKILL)  # the parent alone (ServerProcess.send_signal signals the whole group)
+    wait_until(lambda: not any(_alive(pid) for pid in workers), timeout=30, message="workers outlived their pool")
+    assert not _ready(url)
