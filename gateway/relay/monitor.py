@@ -11,7 +11,13 @@ waiting on a hung engine. Readiness must not flap under load, and must mean "it 
 - never down for a late /health alone: a saturated engine answers /health late while it streams.
 
 Progress (chunks, answers) is what the relay records in `EngineActivity`; the generation probe runs
-only when the engine has been quiet for `probe_interval`. Imports settings, errors, metrics, the
+only when the engine has been quiet for `probe_interval`.
+
+Each gateway worker has its own monitor. So that /ready answering 200 from one worker means the next
+request is served by any of them, a monitor that last saw the engine down probes again before it
+refuses (`confirmed_reason`): one probe at a time, shared by the callers that arrive meanwhile, waited
+on for at most `CONFIRM_WAIT` (a refused connection or a /health answer take milliseconds; a port
+that accepts and never answers must not hold requests). Imports settings, errors, metrics, the
 background-task helper and the relay's client, activity and model modules.
 """
 
@@ -33,6 +39,7 @@ from gateway.settings import Settings
 logger = logging.getLogger(__name__)
 
 NOT_GENERATING = "engine not generating"
+CONFIRM_WAIT = 0.5  # seconds a request waits for the confirming probe of an engine last seen down
 
 
 class EngineMonitor:
@@ -55,6 +62,7 @@ class EngineMonitor:
         # (a cold CPU engine's first generations may outlast the probe timeout).
         self._progress_mark = activity.last_progress
         self._published: str | None = "not probed yet"
+        self._check_running: asyncio.Future[str | None] | None = None
         self.model: ModelInfo | None = None
         self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self.check)
 
@@ -66,11 +74,12 @@ class EngineMonitor:
     async def stop(self) -> None:
         """Stop probing."""
         await self._task.stop()
-        probe, self._generation_probe = self._generation_probe, None
-        if probe is not None:
-            probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probe
+        for running in (self._generation_probe, self._check_running):
+            if running is not None:
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running
+        self._generation_probe = self._check_running = None
 
     def ready_reason(self) -> str | None:
         """None when the engine is ready, else a short reason ("connection refused"); cached, no I/O."""
@@ -82,14 +91,17 @@ class EngineMonitor:
             return "model unknown"
         return None
 
-    @property
-    def down_reason(self) -> str | None:
-        """The same as `ready_reason()`."""
+    async def confirmed_reason(self) -> str | None:
+        """`ready_reason()`, asked again of the engine first when it was last seen down (not when stuck)."""
+        if self._health_reason is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.check(), CONFIRM_WAIT)
         return self.ready_reason()
 
-    def require_ready(self) -> ModelInfo:
-        """The served model, or EngineUnavailableError (503 + Retry-After) while the engine is not ready."""
-        reason = self.ready_reason()
+    async def require_ready(self) -> ModelInfo:
+        """The served model, or EngineUnavailableError (503 + Retry-After) while the engine is not ready
+        (confirmed: see `confirmed_reason`)."""
+        reason = await self.confirmed_reason()
         if reason is not None or self.model is None:
             raise EngineUnavailableError(
                 f"The model engine is not ready ({reason or 'model unknown'}); retry shortly.",
@@ -103,13 +115,24 @@ class EngineMonitor:
         self._publish()
 
     async def check(self) -> str | None:
-        """Probe /health now (learning the model once it is healthy), judge liveness; `ready_reason()`."""
-        self._health_reason = await self._probe_health()
-        if self._health_reason is None and self.model is None:
-            self._health_reason = await self._learn_model()
-        self._judge_liveness()
-        self._publish()
-        return self.ready_reason()
+        """Probe /health now (learning the model once it is healthy), judge liveness; `ready_reason()`.
+
+        Callers that arrive while a check runs share it (the periodic one and requests confirming)."""
+        if self._check_running is None:
+            self._check_running = asyncio.ensure_future(self._check())
+        # shield: one caller's cancellation must not cancel the check the others wait for.
+        return await asyncio.shield(self._check_running)
+
+    async def _check(self) -> str | None:
+        try:
+            self._health_reason = await self._probe_health()
+            if self._health_reason is None and self.model is None:
+                self._health_reason = await self._learn_model()
+            self._judge_liveness()
+            self._publish()
+            return self.ready_reason()
+        finally:
+            self._check_running = None
 
     async def _probe_health(self) -> str | None:
         try:

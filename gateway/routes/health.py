@@ -1,7 +1,8 @@
 """/health (the process is alive) and /ready (engine and Redis answer; else 503 saying which is down).
 
-Both answer HEAD too (load balancers probe with it). /ready costs the engine nothing: it reads the
-monitor's cached view, and Redis is pinged at most once per `Readiness.ttl` however often it is asked.
+Both answer HEAD too (load balancers probe with it). /ready reads the monitor's cached view, which a
+worker that last saw the engine down confirms with one shared /health probe first (as requests do), and
+Redis is pinged at most once per `Readiness.ttl` however often it is asked.
 A draining gateway (stop signal received, gateway/server.py sets `Readiness.draining`) is not ready.
 """
 
@@ -56,11 +57,11 @@ async def health() -> Response:
 
 @router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> Response:
-    """Readiness: 200 only when the engine is known ready (the monitor's cached view), Redis answers and the
-    gateway is not draining."""
+    """Readiness: 200 only when the engine is known ready (the monitor's view, confirmed when it was down),
+    Redis answers and the gateway is not draining."""
     services = get_services(request)
     readiness: Readiness = request.app.state.readiness
-    engine_reason = services.monitor.ready_reason()
+    engine_reason = await services.monitor.confirmed_reason()
     redis_reason = await readiness.redis(services.check_redis)
     ready = engine_reason is None and redis_reason is None and not readiness.draining
     body: dict[str, object] = {

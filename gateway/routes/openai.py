@@ -44,7 +44,7 @@ async def _relay(request: Request, path: str, prepare: Prepare) -> ASGIApp:
         # an over-limit client must not make the gateway read and parse megabytes first.
         services.limiter.precheck(key)
     body = await _read_body(request, services.settings.max_body_bytes)
-    prepared = prepare(body, services.settings, services.monitor.require_ready())
+    prepared = prepare(body, services.settings, await services.monitor.require_ready())
     record.model, record.stream = prepared.model, prepared.stream
     lease = None
     if key is not None:
@@ -77,7 +77,7 @@ async def list_models(request: Request) -> Response:
     """GET /v1/models: the engine's list, with the configured aliases as further entries."""
     services = get_services(request)
     await require_api_key(request, services)
-    info = services.monitor.require_ready()
+    info = await services.monitor.require_ready()
     listing = await services.engine.get_json("/v1/models", services.settings.relay.probe_timeout)
     entries = listing.get("data", []) if isinstance(listing, dict) else []
     served = next((e for e in entries if isinstance(e, dict) and e.get("id") == info.name), None)

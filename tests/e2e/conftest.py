@@ -29,6 +29,8 @@ def up_stack(state_dir: Path, redis_url: str) -> Iterator[tuple[ServerProcess, i
         NEMOTRON_AUTH__ENABLED="false",
         # The gateway's own view of the engine, refreshed often enough to see a short outage.
         NEMOTRON_RELAY__PROBE_INTERVAL="0.2",
+        # Two workers, each with its own view of the engine: /ready's 200 from one must hold for the other.
+        NEMOTRON_WORKERS="2",
     )
     proc = ServerProcess(
         [sys.executable, "-m", "gateway", "up"],

@@ -49,8 +49,7 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "NEMOTRON_ENGINE__STATE_DIR": str(STATE_DIR),
         "NEMOTRON_ENGINE__METRICS_PORT": "0",
         "NEMOTRON_PORT": str(gateway_port),
-        # One gateway process: each worker learns the engine is ready on its own probe, so right after /ready
-        # answers 200 another worker may still refuse for up to a probe interval.
+        # One gateway process: the CPU engine needs this machine's cores more than the gateway does.
         "NEMOTRON_WORKERS": "1",
         "NEMOTRON_REDIS_URL": redis_url,
         "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",

@@ -79,8 +79,7 @@ def stack(demo_model_dir: str, redis_url: str) -> Iterator[Stack]:
         # vLLM logs "Aborted request" only with this: the disconnect tests read it.
         "NEMOTRON_ENGINE__EXTRA_ARGS": '["--enable-log-requests"]',
         "NEMOTRON_PORT": str(gateway_port),
-        # One gateway process: each worker learns the engine is ready on its own probe, so right after /ready
-        # answers 200 another worker may still refuse for up to a probe interval.
+        # One gateway process: the CPU engine needs this machine's cores more than the gateway does.
         "NEMOTRON_WORKERS": "1",
         "NEMOTRON_REDIS_URL": redis_url,
         "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",

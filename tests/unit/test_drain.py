@@ -29,7 +29,7 @@ _OK = {"engine": {"ok": True, "reason": None}, "redis": {"ok": True, "reason": N
 class _ReadyMonitor:
     model: Any = None
 
-    def ready_reason(self) -> str | None:
+    async def confirmed_reason(self) -> str | None:
         return None
 
 

@@ -136,7 +136,7 @@ async def test_refused_connection_refunds_counts_and_marks_down_with_one_message
     assert rig.errors() == {"refused": 1.0}
     assert rig.monitor.ready_reason() == "connection refused"
     with pytest.raises(EngineUnavailableError) as caught:
-        rig.monitor.require_ready()
+        await rig.monitor.require_ready()
     assert caught.value.message == "The model engine is not ready (connection refused); retry shortly."
 
 

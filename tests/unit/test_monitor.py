@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
+from gateway.errors import EngineUnavailableError
 from gateway.metrics import GatewayMetrics
+from gateway.relay import monitor as monitor_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.monitor import NOT_GENERATING, EngineMonitor
@@ -27,9 +29,11 @@ class Engine:
     generation_delay: float = 0.0
     generation_status: int = 200
     generations: int = 0
+    health_calls: int = 0
     aborted: list[str] = field(default_factory=list)
 
     async def health(self, request: web.Request) -> web.Response:
+        self.health_calls += 1
         await asyncio.sleep(self.health_delay)
         return web.Response(status=self.health_status)
 
@@ -97,7 +101,7 @@ async def test_health_answering_non_200_is_down_with_a_short_reason(rig: Rig) ->
     rig.engine.health_status = 503
     assert await rig.monitor.check() == "/health answered 503"
     with pytest.raises(Exception, match=r"^The model engine is not ready \(/health answered 503\); retry shortly\.$"):
-        rig.monitor.require_ready()
+        await rig.monitor.require_ready()
     rig.engine.health_status = 200
     assert await rig.monitor.check() is None
 
@@ -149,3 +153,39 @@ async def test_refused_generation_probe_or_health_is_connection_refused(rig: Rig
     rig.monitor.mark_down("connection refused")
     assert rig.monitor.ready_reason() == "connection refused"
     assert await rig.monitor.check() is None, "a /health 200 clears it"
+
+
+async def test_a_monitor_that_saw_the_engine_down_asks_again_before_refusing(rig: Rig) -> None:
+    # As in a worker whose last probe failed while another worker already saw the engine come back.
+    rig.monitor.mark_down("connection refused")
+    model = await rig.monitor.require_ready()
+    assert model.name == "m"
+    assert rig.monitor.ready_reason() is None
+
+
+async def test_callers_confirming_at_once_share_one_probe(rig: Rig) -> None:
+    rig.engine.health_status = 503
+    assert await rig.monitor.check() == "/health answered 503"
+    before = rig.engine.health_calls
+    rig.engine.health_delay = 0.05  # long enough for all twenty to arrive while the one probe runs
+    reasons = await asyncio.gather(*(rig.monitor.confirmed_reason() for _ in range(20)))
+    assert reasons == ["/health answered 503"] * 20
+    assert rig.engine.health_calls - before <= 2, "one probe, or one more if the periodic one was just starting"
+
+
+async def test_a_confirming_probe_that_does_not_answer_in_time_refuses(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(monitor_module, "CONFIRM_WAIT", 0.02)
+    rig.monitor.mark_down("connection refused")
+    rig.engine.health_delay = 0.15  # under the probe timeout: the probe succeeds, after the request gave up
+    with pytest.raises(EngineUnavailableError, match="connection refused"):
+        await rig.monitor.require_ready()
+    await async_wait_until(lambda: rig.monitor.ready_reason() is None, within=5)
+
+
+async def test_a_stuck_engine_is_refused_without_a_new_probe(rig: Rig) -> None:
+    rig.monitor._stuck = True  # as judged by liveness; /health keeps answering 200
+    before = rig.engine.health_calls
+    assert await rig.monitor.confirmed_reason() == NOT_GENERATING
+    assert rig.engine.health_calls - before <= 1, "at most the periodic probe"
