@@ -30,6 +30,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from gateway.app import create_app
 from gateway.errors import GatewayError, OverloadedError, RequestHeadTooLargeError, RequestTimeoutError
 from gateway.multiproc import forget_worker
+from gateway.relay.shared import engine_seen_ready
 from gateway.relay.sse import BODY_WRITER
 from gateway.settings import Settings, inherited_listen_fd
 from gateway.workers import STARTUP_FAILURE, WorkerPool, usable_cores
@@ -364,6 +365,7 @@ def serve(settings: Settings) -> int:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return STARTUP_FAILURE
     target = functools.partial(serve_socket, settings, limits)
+    engine_seen_ready()  # made before the fork: the workers share it (see gateway/relay/shared.py)
     # A dead worker's in-flight gauge must not stay in the sum the others' scrapes report.
     pool = WorkerPool(workers, target, sock, drain=settings.shutdown_grace, on_exit=forget_worker)
     return pool.run()

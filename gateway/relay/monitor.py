@@ -14,11 +14,13 @@ Progress (chunks, answers) is what the relay records in `EngineActivity`; the ge
 only when the engine has been quiet for `probe_interval`.
 
 Each gateway worker has its own monitor. So that /ready answering 200 from one worker means the next
-request is served by any of them, a monitor that last saw the engine down probes again before it
-refuses (`confirmed_reason`): one probe at a time, shared by the callers that arrive meanwhile, waited
-on for at most `CONFIRM_WAIT` (a refused connection or a /health answer take milliseconds; a port
-that accepts and never answers must not hold requests). Imports settings, errors, metrics, the
-background-task helper and the relay's client, activity and model modules.
+request is served by any of them, a monitor that last saw the engine down, and learns from
+`engine_seen_ready()` that another worker has seen it ready since, probes again before it refuses
+(`confirmed_reason`): one probe, shared by the callers that arrive meanwhile, waited on for at most
+`CONFIRM_WAIT` (a refused connection or a /health answer take milliseconds; a port that accepts and
+never answers must not hold requests). Without that word, a refusal costs the engine nothing.
+Imports settings, errors, metrics, the background-task helper and the relay's client, activity, model
+and shared modules.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.model import ModelInfo
+from gateway.relay.shared import SharedInstant, engine_seen_ready
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,12 @@ class EngineMonitor:
     """Probes the engine on an interval, judges whether it generates, and remembers what it serves."""
 
     def __init__(
-        self, client: EngineClient, settings: Settings, metrics: GatewayMetrics, activity: EngineActivity
+        self,
+        client: EngineClient,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        activity: EngineActivity,
+        seen_ready: SharedInstant | None = None,
     ) -> None:
         self._client = client
         self._settings = settings
@@ -54,6 +62,9 @@ class EngineMonitor:
         self._metrics = metrics
         self._activity = activity
         self._health_reason: str | None = "not probed yet"  # refused, non-200 /health, or the model unknown
+        self._seen_down_at = 0.0  # when the probe or request that last found the engine down started
+        # When any worker of this gateway last found it ready (a test passes its own).
+        self._seen_ready = seen_ready or engine_seen_ready()
         self._stuck = False
         self._probe_failed_since: float | None = None  # start of the last failed generation probe
         self._generation_probe: asyncio.Task[None] | None = None
@@ -92,8 +103,9 @@ class EngineMonitor:
         return None
 
     async def confirmed_reason(self) -> str | None:
-        """`ready_reason()`, asked again of the engine first when it was last seen down (not when stuck)."""
-        if self._health_reason is not None:
+        """`ready_reason()`, asked again of the engine first when this process last saw it down and another
+        worker has seen it ready since (not when stuck: liveness judges that)."""
+        if self._health_reason is not None and self._seen_ready.value() > self._seen_down_at:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.check(), CONFIRM_WAIT)
         return self.ready_reason()
@@ -112,6 +124,7 @@ class EngineMonitor:
     def mark_down(self, reason: str) -> None:
         """A request found the engine unreachable (`reason`, short): refuse fast until /health answers 200."""
         self._health_reason = reason
+        self._seen_down_at = time.monotonic()
         self._publish()
 
     async def check(self) -> str | None:
@@ -124,10 +137,13 @@ class EngineMonitor:
         return await asyncio.shield(self._check_running)
 
     async def _check(self) -> str | None:
+        started = time.monotonic()
         try:
             self._health_reason = await self._probe_health()
             if self._health_reason is None and self.model is None:
                 self._health_reason = await self._learn_model()
+            if self._health_reason is not None:
+                self._seen_down_at = started
             self._judge_liveness()
             self._publish()
             return self.ready_reason()
@@ -218,6 +234,7 @@ class EngineMonitor:
         reason = self.ready_reason()
         if reason != self._published:
             if reason is None:
+                self._seen_ready.record_now()
                 logger.info("engine is ready")
             else:
                 logger.warning("engine is not ready: %s", reason)

@@ -146,3 +146,25 @@ def test_workers_end_when_the_pool_parent_is_killed_outright(pool: tuple[ServerP
     os.kill(proc.pid, signal.SIGKILL)  # the parent alone (ServerProcess.send_signal signals the whole group)
     wait_until(lambda: not any(_alive(pid) for pid in workers), timeout=30, message="workers outlived their pool")
     assert not _ready(url)
+
+
+def test_once_ready_answers_200_every_worker_serves(engine: FakeEngineControl, redis_clean: str) -> None:
+    # Each worker watches the engine on its own probe interval; a worker that last saw the engine down must
+    # not refuse the request that follows another worker's /ready 200.
+    env = {"NEMOTRON_WORKERS": "2", "NEMOTRON_AUTH__ENABLED": "false", "NEMOTRON_RELAY__PROBE_INTERVAL": "1"}
+    with run_gateway(engine.base_url, redis_clean, env=env) as proc:
+        url = f"http://127.0.0.1:{proc.port}"
+        first, second = workers = wait_until(lambda: _two_workers(proc.pid), timeout=30)
+        engine.set_health(503)
+        for worker in workers:
+            with _only(worker, workers):
+                wait_until(lambda: not _ready(url), timeout=10, message=f"worker {worker} never saw it down")
+        with _only(first, workers):  # the second is stopped: it cannot probe while the engine comes back
+            # A /health that answers in 0.3 s: the second worker's own overdue probe, started when it resumes,
+            # is still running when the next request reaches it.
+            engine.set_health(200, delay=0.3)
+            wait_until(lambda: _ready(url), timeout=10, message="the first worker never saw it back")
+        with _only(second, workers):
+            assert _ready(url)
+            answer = httpx.post(url + "/v1/completions", json={"model": "nemotron-test", "prompt": "hi"}, timeout=30)
+            assert answer.status_code == 200, answer.text

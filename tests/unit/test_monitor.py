@@ -4,6 +4,7 @@ can be made late, failing or frozen: down only on a refused connection, a non-20
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from gateway.relay import monitor as monitor_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.monitor import NOT_GENERATING, EngineMonitor
+from gateway.relay.shared import SharedInstant
 from gateway.settings import Settings
 from tests.procs import async_wait_until, free_port
 
@@ -29,6 +31,7 @@ class Engine:
     generation_delay: float = 0.0
     generation_status: int = 200
     generations: int = 0
+    health_calls: int = 0
     health_calls: int = 0
     aborted: list[str] = field(default_factory=list)
 
@@ -64,7 +67,8 @@ class Rig:
 
 
 @pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
+async def served() -> AsyncIterator[tuple[Engine, str]]:
+    """The test engine, listening; and its URL."""
     engine = Engine()
     app = web.Application()
     app.router.add_get("/health", engine.health)
@@ -74,19 +78,55 @@ async def rig() -> AsyncIterator[Rig]:
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    relay = {"probe_interval": 0.1, "probe_timeout": 0.2, "generation_probe_timeout": 0.3, "stall_timeout": 1.0}
-    settings = Settings(engine_url=f"http://127.0.0.1:{port}", relay=relay)
+    try:
+        yield engine, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def _monitoring(
+    url: str, activity: EngineActivity, probe_interval: float, seen_ready: SharedInstant
+) -> AsyncIterator[EngineMonitor]:
+    relay = {"probe_interval": probe_interval, "probe_timeout": 0.2, "generation_probe_timeout": 0.3}
+    settings = Settings(engine_url=url, relay={**relay, "stall_timeout": 1.0})
     client = EngineClient(settings)
     await client.start()
-    activity = EngineActivity()
-    monitor = EngineMonitor(client, settings, GatewayMetrics(), activity)
+    monitor = EngineMonitor(client, settings, GatewayMetrics(), activity, seen_ready)
     await monitor.start()
     try:
-        yield Rig(engine, monitor, activity)
+        yield monitor
     finally:
         await monitor.stop()
         await client.stop()
-        await runner.cleanup()
+
+
+@pytest.fixture
+async def rig(served: tuple[Engine, str]) -> AsyncIterator[Rig]:
+    engine, url = served
+    activity = EngineActivity()
+    async with _monitoring(url, activity, 0.1, SharedInstant()) as monitor:
+        yield Rig(engine, monitor, activity)
+
+
+@pytest.fixture
+async def workers(served: tuple[Engine, str]) -> AsyncIterator[tuple[Engine, EngineMonitor, EngineMonitor]]:
+    """Two gateway workers' monitors of one engine, sharing when one last saw it ready; each probes only when
+    a test says (no periodic probe in the test's time)."""
+    engine, url = served
+    seen_ready = SharedInstant()
+    async with (
+        _monitoring(url, EngineActivity(), 3600, seen_ready) as first,
+        _monitoring(url, EngineActivity(), 3600, seen_ready) as second,
+    ):
+        yield engine, first, second
+
+
+async def _both_see_it_down(engine: Engine, *monitors: EngineMonitor) -> None:
+    engine.health_status = 503
+    for monitor in monitors:
+        assert await monitor.check() == "/health answered 503"
+    engine.health_status = 200
 
 
 async def test_a_late_health_alone_never_makes_the_engine_unready(rig: Rig) -> None:
@@ -155,37 +195,50 @@ async def test_refused_generation_probe_or_health_is_connection_refused(rig: Rig
     assert await rig.monitor.check() is None, "a /health 200 clears it"
 
 
-async def test_a_monitor_that_saw_the_engine_down_asks_again_before_refusing(rig: Rig) -> None:
-    # As in a worker whose last probe failed while another worker already saw the engine come back.
-    rig.monitor.mark_down("connection refused")
-    model = await rig.monitor.require_ready()
+async def test_a_worker_that_saw_the_engine_down_asks_again_once_another_saw_it_ready(
+    workers: tuple[Engine, EngineMonitor, EngineMonitor],
+) -> None:
+    engine, first, second = workers
+    await _both_see_it_down(engine, first, second)
+    assert await first.check() is None  # the engine is back, and the first worker's probe saw it
+    assert second.ready_reason() == "/health answered 503"
+    model = await second.require_ready()  # what /ready's 200 promised: the second worker serves too
     assert model.name == "m"
-    assert rig.monitor.ready_reason() is None
+    assert second.ready_reason() is None
 
 
-async def test_callers_confirming_at_once_share_one_probe(rig: Rig) -> None:
-    rig.engine.health_status = 503
-    assert await rig.monitor.check() == "/health answered 503"
-    before = rig.engine.health_calls
-    rig.engine.health_delay = 0.05  # long enough for all twenty to arrive while the one probe runs
-    reasons = await asyncio.gather(*(rig.monitor.confirmed_reason() for _ in range(20)))
-    assert reasons == ["/health answered 503"] * 20
-    assert rig.engine.health_calls - before <= 2, "one probe, or one more if the periodic one was just starting"
+async def test_without_word_from_another_worker_a_refusal_costs_the_engine_nothing(
+    workers: tuple[Engine, EngineMonitor, EngineMonitor],
+) -> None:
+    engine, first, second = workers
+    await _both_see_it_down(engine, first, second)
+    probes = engine.health_calls
+    reasons = [await second.confirmed_reason() for _ in range(100)]  # e.g. a load balancer asking /ready
+    assert reasons == ["/health answered 503"] * 100
+    second.mark_down("connection refused")  # as the relay does on a refused connection
+    with pytest.raises(EngineUnavailableError, match=r"\(connection refused\)"):
+        await second.require_ready()
+    assert engine.health_calls == probes
+
+
+async def test_callers_confirming_at_once_share_one_probe(workers: tuple[Engine, EngineMonitor, EngineMonitor]) -> None:
+    engine, first, second = workers
+    await _both_see_it_down(engine, first, second)
+    assert await first.check() is None
+    probes = engine.health_calls
+    engine.health_delay = 0.05  # all twenty arrive while the one probe runs
+    assert await asyncio.gather(*(second.confirmed_reason() for _ in range(20))) == [None] * 20
+    assert engine.health_calls == probes + 1
 
 
 async def test_a_confirming_probe_that_does_not_answer_in_time_refuses(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
+    workers: tuple[Engine, EngineMonitor, EngineMonitor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    engine, first, second = workers
     monkeypatch.setattr(monitor_module, "CONFIRM_WAIT", 0.02)
-    rig.monitor.mark_down("connection refused")
-    rig.engine.health_delay = 0.15  # under the probe timeout: the probe succeeds, after the request gave up
-    with pytest.raises(EngineUnavailableError, match="connection refused"):
-        await rig.monitor.require_ready()
-    await async_wait_until(lambda: rig.monitor.ready_reason() is None, within=5)
-
-
-async def test_a_stuck_engine_is_refused_without_a_new_probe(rig: Rig) -> None:
-    rig.monitor._stuck = True  # as judged by liveness; /health keeps answering 200
-    before = rig.engine.health_calls
-    assert await rig.monitor.confirmed_reason() == NOT_GENERATING
-    assert rig.engine.health_calls - before <= 1, "at most the periodic probe"
+    await _both_see_it_down(engine, first, second)
+    assert await first.check() is None
+    engine.health_delay = 0.15  # under the probe timeout: the probe succeeds, after the request gave up
+    with pytest.raises(EngineUnavailableError, match=r"\(/health answered 503\)"):
+        await second.require_ready()
+    await async_wait_until(lambda: second.ready_reason() is None, within=5)
