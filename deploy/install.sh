@@ -109,15 +109,20 @@ print("\n".join(lines(ENV_PREFIX.upper(), Settings)))
 PY
 }
 
+random_hex() {
+    openssl rand -hex 32 2>/dev/null || "$PREFIX/.venv/bin/python" -c 'import secrets; print(secrets.token_hex(32))'
+}
+
 write_env_file() {
-    local env=$CONF_DIR/env secret
+    local env=$CONF_DIR/env secret engine_key
     install -d -m 0750 -o root -g "$USER_NAME" "$CONF_DIR"
     if [[ -f $env ]]; then
         say "keeping $env (delete it to have it written anew)"
         return
     fi
-    secret=$(openssl rand -hex 32 2>/dev/null || "$PREFIX/.venv/bin/python" -c 'import secrets; print(secrets.token_hex(32))')
-    say "writing $env with a new auth secret"
+    secret=$(random_hex)
+    engine_key=$(random_hex)
+    say "writing $env with a new auth secret and engine key"
     umask 027
     {
         echo "# /etc/nemotron-gateway/env: the settings of nemotron-engine.service and nemotron-gateway.service."
@@ -134,6 +139,8 @@ write_env_file() {
         echo "NEMOTRON_ENGINE__STATE_DIR=/run/nemotron-gateway"
         echo "# The HMAC key of API keys in Redis: changing it invalidates every key."
         echo "NEMOTRON_AUTH__SECRET=$secret"
+        echo "# The engine's own key (vLLM gets it as VLLM_API_KEY): no other local user can call its port directly."
+        echo "NEMOTRON_ENGINE_API_KEY=$engine_key"
         echo
         echo "# ---------------------------------------------------------------------------------------------"
         echo "# Every setting, with its default (uncomment to change). Generated from gateway/settings.py."

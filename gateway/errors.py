@@ -227,6 +227,14 @@ class EngineProtocolError(ServiceUnavailableError):
     code = "engine_protocol_error"
 
 
+class EngineCredentialsError(ServiceUnavailableError):
+    """The engine refused the gateway's own key (401/403): `NEMOTRON_ENGINE_API_KEY` is unset or not the engine's.
+    The operator's configuration, never the client's key, so never a 401 to the client."""
+
+    status_code = 502
+    code = "engine_key_refused"
+
+
 class EngineTimeoutError(ServiceUnavailableError):
     """The engine did not answer (or stopped streaming) within the configured timeout."""
 

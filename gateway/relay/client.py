@@ -21,6 +21,7 @@ import orjson
 
 from gateway.errors import (
     EngineConnectionLostError,
+    EngineCredentialsError,
     EngineProtocolError,
     EngineRefusedError,
     EngineTimeoutError,
@@ -30,6 +31,12 @@ from gateway.settings import Settings
 
 # The one-token generation probe's request ids start with this (the test engine leaves them out of its log).
 PROBE_ID_PREFIX = "probe-"
+# The engine's answers to a missing or wrong engine key (vLLM run with --api-key or VLLM_API_KEY).
+ENGINE_KEY_REFUSED = (401, 403)
+ENGINE_KEY_MESSAGE = (
+    "The model engine refused the gateway's engine key; the operator must set NEMOTRON_ENGINE_API_KEY "
+    "to the engine's key."
+)
 
 
 def map_engine_error(exc: BaseException, timeout_message: str, retry_after: float = 1.0) -> BaseException:
@@ -212,6 +219,8 @@ class EngineClient:
         with engine_errors(f"The model engine did not answer {path} within {within:g} s.", self._retry_after):
             async with asyncio.timeout(within):
                 async with session.get(self._base_url + path, headers=self._auth_header) as response:
+                    if response.status in ENGINE_KEY_REFUSED:
+                        raise EngineCredentialsError(ENGINE_KEY_MESSAGE, retry_after=self._retry_after)
                     if response.status != 200:
                         raise EngineUnavailableError(
                             f"The model engine answered {path} with HTTP {response.status}.",

@@ -19,6 +19,7 @@ import orjson
 
 from gateway.errors import (
     EngineConnectionLostError,
+    EngineCredentialsError,
     EngineProtocolError,
     EngineRefusedError,
     EngineTimeoutError,
@@ -27,7 +28,13 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
-from gateway.relay.client import EngineClient, UpstreamResponse, engine_error_body
+from gateway.relay.client import (
+    ENGINE_KEY_MESSAGE,
+    ENGINE_KEY_REFUSED,
+    EngineClient,
+    UpstreamResponse,
+    engine_error_body,
+)
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
 from gateway.requestlog import EngineErrorKind, RequestRecord
@@ -141,6 +148,8 @@ class EngineRelay:
         if upstream.status != 200:
             record.engine_error = EngineErrorKind.ERROR_STATUS
             await self._finish(record, settle)
+            if upstream.status in ENGINE_KEY_REFUSED:  # the gateway's own key, not the client's: never a 401
+                raise EngineCredentialsError(ENGINE_KEY_MESSAGE, retry_after=self._settings.relay.retry_after)
             error_body = engine_error_body(upstream.status, answer or b"")
             return BufferedAnswer(upstream.status, error_body, "application/json", headers)
         if answer is not None:

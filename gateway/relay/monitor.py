@@ -31,7 +31,7 @@ import logging
 import time
 
 from gateway.background import BackgroundTask
-from gateway.errors import EngineRefusedError, EngineUnavailableError, GatewayError
+from gateway.errors import EngineCredentialsError, EngineRefusedError, EngineUnavailableError, GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
@@ -165,6 +165,9 @@ class EngineMonitor:
         try:
             listing = await self._client.get_json("/v1/models", self._relay.probe_timeout)
             self.model = ModelInfo.from_listing(listing, self._settings)
+        except EngineCredentialsError as exc:
+            logger.error("%s", exc.message)
+            return "engine key refused"
         except GatewayError as exc:
             logger.warning("engine model list unavailable: %s", exc.message)
             return "model list unavailable"

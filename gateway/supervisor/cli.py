@@ -29,7 +29,7 @@ from gateway.doctor import doctor_config, fatal_failures, render_table, run_chec
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import Settings, unknown_variables
 from gateway.supervisor.flags import add_engine_arguments, engine_overrides
-from gateway.supervisor.launch import prepare
+from gateway.supervisor.launch import ENGINE_KEY_VARIABLE, prepare
 from gateway.supervisor.presets import load_presets
 from gateway.supervisor.process import GuardedProcess
 from gateway.supervisor.profiles import Profile, ProfileError, load_profiles
@@ -146,6 +146,8 @@ def print_argv(settings: Settings) -> int:
         sys.stderr.write(f"nemotron-gateway engine: {exc}\n")
         return 2
     added = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    if ENGINE_KEY_VARIABLE in added:
+        added[ENGINE_KEY_VARIABLE] = "<NEMOTRON_ENGINE_API_KEY>"  # a secret: named, never printed
     sys.stdout.write(shlex.join(argv) + "\n")
     sys.stdout.write("".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(added.items())))
     return 0

@@ -49,6 +49,8 @@ _HELP_TIMEOUT = 300.0
 # The supervisor's checks hit these every few seconds: without this vLLM logs an access line for each
 # (issue 12). Only added where the installed vLLM has the flag.
 _QUIET_FLAG = "--disable-access-log-for-endpoints"
+# vLLM's API key from its environment (vllm/envs.py): its /v1 routes then want `Authorization: Bearer <key>`.
+ENGINE_KEY_VARIABLE = "VLLM_API_KEY"
 _PROBED_PATHS = "/health,/metrics"
 # Only `vllm serve` itself starts several API-server processes (`--api-server-count` N > 1, issue 11): the
 # api_server module accepts the flag and runs one. Its entry reads the version of a distribution named
@@ -124,11 +126,16 @@ def serve_launcher(argv: list[str], launcher: list[str], version: str) -> list[s
     return [launcher[0], "-m", *_SERVE_ENTRY, *argv[len(launcher) :]]
 
 
-def engine_environment(profile: Profile, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server."""
+def engine_environment(
+    profile: Profile, base: Mapping[str, str] | None = None, api_key: str | None = None
+) -> dict[str, str]:
+    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, and
+    the engine API key the gateway sends (`engine_api_key`) as VLLM_API_KEY: in argv it would show in `ps`."""
     env = dict(os.environ if base is None else base)
     env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.update(profile.env)
+    if api_key:
+        env[ENGINE_KEY_VARIABLE] = api_key
     return env
 
 
@@ -154,4 +161,5 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
             argv += [_QUIET_FLAG, _PROBED_PATHS]
     if not custom:
         argv = serve_launcher(argv, launcher, version)
-    return profile, argv, engine_environment(profile)
+    api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else None
+    return profile, argv, engine_environment(profile, api_key=api_key)

@@ -4,11 +4,14 @@ vLLM's /health only says that its API process answers: with the engine core froz
 200, and under load it answers late while tokens flow at full speed (issue 12). So a ready engine is
 judged by progress: its token counters grow, or, when nothing runs, a one-token generation finishes.
 A slow answer alone never condemns it; no progress for `stall_timeout` seconds, or `probe_failures`
-refused or failed checks in a row, does. Imports httpx and our leaves only.
+refused or failed checks in a row, does. The probe carries the engine's API key when it has one; a probe
+the API server refuses (4xx: a key it was not told, a model name it does not serve) says nothing about
+generation, so it is warned about once and the token counters alone judge. Imports httpx and our leaves only.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -17,6 +20,8 @@ import httpx
 
 from gateway.settings import EngineSettings
 from gateway.supervisor.state import RestartCause
+
+logger = logging.getLogger(__name__)
 
 # vLLM's Prometheus names (vllm/v1/metrics/loggers.py): counters get `_total` in the exposition.
 _TOKENS = re.compile(r"^vllm:(?:generation|prompt)_tokens_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
@@ -57,9 +62,11 @@ class Verdict:
 class Liveness:
     """Checks a ready engine once per call of `check()`; remembers progress between calls."""
 
-    def __init__(self, settings: EngineSettings, client: httpx.AsyncClient) -> None:
+    def __init__(self, settings: EngineSettings, client: httpx.AsyncClient, api_key: str | None = None) -> None:
         self.settings = settings
         self.client = client
+        self._probe_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._refusal_warned = False
         base = f"http://127.0.0.1:{settings.port}"
         self._metrics_url = f"{base}/metrics"
         self._completions_url = f"{base}/v1/completions?{PROBE_MARK}"
@@ -109,7 +116,9 @@ class Liveness:
         """Idle: one token of generation, bounded by the stall bound; a late answer is checked against the counter."""
         body = {"model": self.settings.served_model_name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
         try:
-            response = await self.client.post(self._completions_url, json=body, timeout=self.settings.stall_timeout)
+            response = await self.client.post(
+                self._completions_url, json=body, headers=self._probe_headers, timeout=self.settings.stall_timeout
+            )
         except httpx.TimeoutException:
             # Load may have arrived meanwhile and queued the probe: tokens flowing still count as alive.
             try:
@@ -123,6 +132,15 @@ class Liveness:
             )
         except httpx.HTTPError as exc:
             return self._failed(f"a one-token generation failed ({type(exc).__name__})")
+        if 400 <= response.status_code < 500:
+            if not self._refusal_warned:
+                self._refusal_warned = True
+                logger.warning(
+                    "the engine refused the idle generation probe (%d%s); idle liveness rests on its token counters",
+                    response.status_code,
+                    ", is NEMOTRON_ENGINE_API_KEY its key?" if response.status_code == 401 else "",
+                )
+            return self._progress()
         if response.status_code != 200:
             return self._failed(f"a one-token generation answered {response.status_code}")
         return self._progress()

@@ -25,6 +25,7 @@ import httpx
 
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import EngineSettings
+from gateway.supervisor.launch import ENGINE_KEY_VARIABLE
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
 from gateway.supervisor.process import GuardedProcess
 from gateway.supervisor.state import STATUS_FILE, EngineState, EngineStatus, RestartCause, RestartRecord
@@ -164,7 +165,7 @@ class EngineSupervisor:
     async def _watch(self, client: httpx.AsyncClient) -> RestartRecord | None:
         """A ready engine until it exits, stops generating, or we stop; a check runs every `health_interval` s."""
         assert self.process is not None
-        liveness = Liveness(self.settings, client)
+        liveness = Liveness(self.settings, client, api_key=self.env.get(ENGINE_KEY_VARIABLE))
         exited: asyncio.Future[Any] = asyncio.ensure_future(self.process.wait())
         stop: asyncio.Future[Any] = asyncio.ensure_future(self.should_exit.wait())
         check: asyncio.Future[Any] | None = None

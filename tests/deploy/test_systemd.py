@@ -130,11 +130,11 @@ def key(box: Container) -> str:
 
 
 def test_install_twice_changes_nothing_and_keeps_the_secret(box: Container, key: str) -> None:
-    secret = box.run(f"grep '^NEMOTRON_AUTH__SECRET=' {ENV}").stdout
-    assert len(secret.strip().split("=", 1)[1]) == 64
+    secrets = box.run(f"grep -E '^NEMOTRON_(AUTH__SECRET|ENGINE_API_KEY)=' {ENV}").stdout
+    assert [len(line.split("=", 1)[1]) for line in secrets.splitlines()] == [64, 64]
     out = _install(box)
     assert "keeping /etc/nemotron-gateway/env" in out, out
-    assert box.run(f"grep '^NEMOTRON_AUTH__SECRET=' {ENV}").stdout == secret
+    assert box.run(f"grep -E '^NEMOTRON_(AUTH__SECRET|ENGINE_API_KEY)=' {ENV}").stdout == secrets
     wait_until(lambda: _ready(box), timeout=60, message=box.journal("nemotron-gateway"))
     # Every setting is in the file, commented, with its description.
     text = box.run(f"cat {ENV}").stdout

@@ -28,6 +28,8 @@ from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 MODEL = "nemotron"
+# The engine's own key: the supervisor starts vLLM with it, the gateway and the supervisor's probe send it.
+ENGINE_KEY = f"engine-{uuid.uuid4().hex}"
 # Shared across runs so the vLLM flag list (`--help=all`, ~30 s) is read once per vLLM version.
 STATE_DIR = CACHE_ROOT / "engine-tests"
 
@@ -83,6 +85,7 @@ def stack(demo_model_dir: str, redis_url: str) -> Iterator[Stack]:
         "NEMOTRON_WORKERS": "1",
         "NEMOTRON_REDIS_URL": redis_url,
         "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",
+        "NEMOTRON_ENGINE_API_KEY": ENGINE_KEY,
         "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
         "HF_HUB_OFFLINE": "1",
     }
@@ -132,6 +135,20 @@ def test_sdk_chat_stream_and_completion_through_the_gateway(stack: Stack) -> Non
         assert [m.id for m in sdk.models.list()] == [MODEL]
     metrics = httpx.get(f"{stack.gateway}/metrics").text
     assert 'nemotron_gateway_tokens_total{kind="completion"}' in metrics
+
+
+def test_the_engine_port_wants_the_engine_key_that_gateway_and_supervisor_send(stack: Stack) -> None:
+    # Nothing else on the machine uses the engine's port: vLLM wants the key the supervisor gave it.
+    assert httpx.get(f"{stack.engine}/v1/models", timeout=10).status_code == 401
+    keyed = httpx.get(f"{stack.engine}/v1/models", headers={"Authorization": f"Bearer {ENGINE_KEY}"}, timeout=10)
+    assert keyed.status_code == 200
+    with stack.sdk() as sdk:  # the gateway sends it
+        assert sdk.completions.create(model=MODEL, prompt="Key", max_tokens=2).choices[0].text is not None
+    # The supervisor's idle generation probe carries it too (a refused probe is warned about), and the key is
+    # in no log.
+    log = stack.proc.log_text()
+    assert "refused the idle generation probe" not in log
+    assert ENGINE_KEY not in log
 
 
 def test_the_gateway_answers_what_vllm_would_get_wrong(stack: Stack) -> None:

@@ -277,8 +277,12 @@ class Completion:
 class FakeEngine:
     """The ASGI app: OpenAI routes, health, and the /_test/* control and inspection endpoints."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
+    def __init__(
+        self, model: str = DEFAULT_MODEL, max_model_len: int = DEFAULT_MAX_MODEL_LEN, api_key: str | None = None
+    ) -> None:
         self.model = model
+        # As vLLM with VLLM_API_KEY: its /v1 routes want `Authorization: Bearer <key>`, the others do not.
+        self.authorization = f"Bearer {api_key}".encode() if api_key else None
         self.max_model_len = max_model_len
         self.created = int(time.time())
         self.records: list[RequestRecord] = []
@@ -317,7 +321,9 @@ class FakeEngine:
 
     async def _dispatch(self, scope: Scope, exchange: Exchange, body: bytes) -> None:
         method, path = scope["method"], scope["path"]
-        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+        if self.authorization is not None and path.startswith("/v1") and not self._authorized(scope):
+            await exchange.send_json(401, {"error": "Unauthorized"})  # vLLM's own answer
+        elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
             await self._completion(scope, exchange, body)
         elif method == "GET" and path == "/health":
             await self._health(exchange)
@@ -329,6 +335,9 @@ class FakeEngine:
             await self._control(method, path, exchange, body)
         else:
             await exchange.send_json(404, error_body(404, f"Not Found: {method} {path}"))
+
+    def _authorized(self, scope: Scope) -> bool:
+        return any(name == b"authorization" and value == self.authorization for name, value in scope["headers"])
 
     def _models(self) -> dict[str, Any]:
         permission = {
@@ -652,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.leak_semaphore:
         _leak_semaphore(args.leak_semaphore)
     time.sleep(args.startup_delay)
-    app = FakeEngine(model=args.model, max_model_len=args.max_model_len)
+    app = FakeEngine(model=args.model, max_model_len=args.max_model_len, api_key=os.environ.get("VLLM_API_KEY"))
     config = uvicorn.Config(
         app, host=args.host, port=args.port, interface="asgi3", log_level=args.log_level, access_log=False
     )

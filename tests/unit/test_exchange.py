@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from gateway.errors import (
+    EngineCredentialsError,
     EngineProtocolError,
     EngineRefusedError,
     EngineTimeoutError,
@@ -179,6 +180,19 @@ async def test_error_answer_is_relayed_counted_and_refunded(make_rig: Any) -> No
         answer = await rig.forward(stream=stream)
         assert isinstance(answer, BufferedAnswer) and answer.status == 400
         assert orjson.loads(answer.body)["error"]["message"] == "too long"
+        assert rig.settled == [0]
+        assert rig.errors() == {"error_status": 1.0}
+
+
+async def test_an_engine_refusing_the_gateways_key_is_a_502_never_the_clients_401(make_rig: Any) -> None:
+    async def unauthorized(request: web.Request) -> web.Response:
+        return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's answer to a wrong --api-key
+
+    for stream in (False, True):
+        rig = await make_rig(unauthorized)
+        with pytest.raises(EngineCredentialsError) as caught:
+            await rig.forward(stream=stream)
+        assert caught.value.status_code == 502 and "NEMOTRON_ENGINE_API_KEY" in caught.value.message
         assert rig.settled == [0]
         assert rig.errors() == {"error_status": 1.0}
 

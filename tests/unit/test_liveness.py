@@ -110,3 +110,23 @@ async def test_an_error_answer_to_the_probe_counts_as_a_failure(engine: Engine, 
     engine.probe_status = 500
     verdict = await liveness.check()
     assert verdict.failed and verdict.problem == "a one-token generation answered 500 (1/3)"
+
+
+async def test_the_probe_carries_the_engine_api_key(engine: Engine) -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        verdict = await Liveness(SETTINGS, client, api_key="engine-key").check()
+    assert verdict.problem is None
+    (probe,) = engine.probes
+    assert probe.headers["authorization"] == "Bearer engine-key"
+
+
+async def test_a_probe_the_api_server_refuses_never_restarts_an_idle_engine(
+    engine: Engine, liveness: Liveness, caplog: pytest.LogCaptureFixture
+) -> None:
+    # vLLM run with an API key the supervisor was not told: its /v1 routes answer 401, its engine is fine.
+    engine.probe_status = 401
+    liveness.last_progress -= SETTINGS.stall_timeout
+    verdicts = [await liveness.check() for _ in range(SETTINGS.probe_failures + 2)]
+    assert all(v.cause is None and not v.failed for v in verdicts)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "refused the idle generation probe (401" in warnings[0]

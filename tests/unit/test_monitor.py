@@ -32,6 +32,7 @@ class Engine:
     generation_status: int = 200
     generations: int = 0
     health_calls: int = 0
+    models_status: int = 200
     health_calls: int = 0
     aborted: list[str] = field(default_factory=list)
 
@@ -41,6 +42,8 @@ class Engine:
         return web.Response(status=self.health_status)
 
     async def models(self, request: web.Request) -> web.Response:
+        if self.models_status != 200:
+            return web.json_response({"error": "Unauthorized"}, status=self.models_status)
         return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
 
     async def completions(self, request: web.Request) -> web.Response:
@@ -242,3 +245,13 @@ async def test_a_confirming_probe_that_does_not_answer_in_time_refuses(
     with pytest.raises(EngineUnavailableError, match=r"\(/health answered 503\)"):
         await second.require_ready()
     await async_wait_until(lambda: second.ready_reason() is None, within=5)
+
+
+async def test_an_engine_refusing_the_gateways_key_is_not_ready_and_says_why(
+    served: tuple[Engine, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine, url = served
+    engine.models_status = 401
+    async with _monitoring(url, EngineActivity(), 3600, SharedInstant()) as monitor:
+        assert monitor.ready_reason() == "engine key refused"
+    assert any("NEMOTRON_ENGINE_API_KEY" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")

@@ -209,6 +209,19 @@ def test_print_argv_prints_the_command_line_and_starts_nothing(
     assert not (tmp_path / "state").exists()  # no status file: nothing started
 
 
+def test_the_engine_api_key_reaches_the_engine_by_its_environment_and_is_never_printed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEMOTRON_ENGINE__LAUNCHER", json.dumps(LAUNCHER))
+    monkeypatch.setenv("NEMOTRON_ENGINE_API_KEY", "engine-secret-123")
+    _, argv, env = launch.prepare(Settings(engine={"model": "/m", "profile": "cpu-dev"}))
+    assert env["VLLM_API_KEY"] == "engine-secret-123"
+    assert not any("engine-secret-123" in arg for arg in argv), "argv shows in ps"
+    assert cli.main(["engine", "--profile", "cpu-dev", "--model", "/m", "--print-argv"]) == 0
+    out = capsys.readouterr().out
+    assert "engine-secret-123" not in out and "VLLM_API_KEY='<NEMOTRON_ENGINE_API_KEY>'" in out
+
+
 def test_print_argv_refuses_an_unknown_preset(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
