@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from gateway.settings import EngineSettings
-from gateway.supervisor.profiles import Profile, ProfileError, load_profiles, read_tables, select_profile
+from gateway.supervisor.profiles import (
+    Profile,
+    ProfileError,
+    fold_extends,
+    load_profiles,
+    read_tables,
+    select_profile,
+)
 
 __all__ = [
     "Preset",
@@ -78,7 +85,7 @@ def shipped_template(name: str) -> Path:
 def load_presets(operator_file: Path | None = None) -> dict[str, Preset]:
     """The shipped presets, overlaid by the operator's file (the same file as their profiles)."""
     raw = read_tables("presets", operator_file)
-    return {name: _resolve(name, raw, ()) for name in raw}
+    return {name: _resolve(name, raw) for name in raw}
 
 
 def _flag_value(name: str, key: str, value: Any) -> str | int | float | bool:
@@ -91,41 +98,29 @@ def _flag_value(name: str, key: str, value: Any) -> str | int | float | bool:
     return value
 
 
-def _resolve(name: str, raw: Mapping[str, Mapping[str, Any]], seen: tuple[str, ...]) -> Preset:
-    if name in seen:
-        raise ProfileError(f"preset {name!r} extends itself through {' -> '.join(seen)}")
-    table = raw[name]
-    flags: dict[str, Any] = {}
-    env: dict[str, str] = {}
-    base: Preset | None = None
-    if (parent := table.get("extends")) is not None:
-        if parent not in raw:
-            raise ProfileError(f"preset {name!r} extends unknown preset {parent!r}")
-        base = _resolve(parent, raw, (*seen, name))
-        flags.update(base.flags)
-        env.update(base.env)
-    for key, value in table.items():
-        if key in _META_KEYS:
-            continue
-        if key in _RESERVED_FLAGS:
-            where = "context-length" if key == _MAX_LEN else "the engine settings"
-            raise ProfileError(f"preset {name!r} sets --{key}; that comes from {where}")
-        flags[key] = _flag_value(name, key, value)
-    env.update({str(k): str(v) for k, v in dict(table.get("env", {})).items()})
+def _preset_flag(name: str, key: str, value: Any) -> str | int | float | bool:
+    if key in _RESERVED_FLAGS:
+        where = "context-length" if key == _MAX_LEN else "the engine settings"
+        raise ProfileError(f"preset {name!r} sets --{key}; that comes from {where}")
+    return _flag_value(name, key, value)
+
+
+def _resolve(name: str, raw: Mapping[str, Mapping[str, Any]]) -> Preset:
+    folded = fold_extends("preset", name, raw, _META_KEYS, _preset_flag)
     try:
-        reasoning = ReasoningSwitch(table.get("reasoning", base.reasoning if base else "none"))
+        reasoning = ReasoningSwitch(folded.inherited("reasoning", "none"))
     except ValueError:
         choices = ", ".join(s.value for s in ReasoningSwitch)
         raise ProfileError(f"preset {name!r}: reasoning must be one of {choices}") from None
-    length = table.get("context-length", base.context_length if base else None)
+    length = folded.inherited("context-length")
     if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
         raise ProfileError(f"preset {name!r}: context-length must be a positive whole number")
     return Preset(
         name=name,
-        description=str(table.get("description", "")),
-        flags=flags,
-        env=env,
-        model=table.get("model", base.model if base else None),
+        description=str(raw[name].get("description", "")),
+        flags=folded.flags,
+        env=folded.env,
+        model=folded.inherited("model"),
         context_length=length,
         reasoning=reasoning,
     )

@@ -6,7 +6,7 @@ Imports settings and errors only.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -67,36 +67,64 @@ def read_tables(section: str, operator_file: Path | None) -> dict[str, dict[str,
 def load_profiles(operator_file: Path | None = None) -> dict[str, Profile]:
     """The shipped profiles, overlaid by the operator's file (a profile there replaces or adds one)."""
     raw = read_tables("profiles", operator_file)
-    return {name: _resolve(name, raw, ()) for name in raw}
+    return {name: _resolve(name, raw) for name in raw}
 
 
-def _resolve(name: str, raw: Mapping[str, Mapping[str, Any]], seen: tuple[str, ...]) -> Profile:
+@dataclass(frozen=True)
+class Folded:
+    """A table of profiles.toml or presets.toml with its `extends` chain folded in: the flags and environment
+    (a child's value wins, inherited flags first) and the tables themselves, root first."""
+
+    flags: dict[str, Any]
+    env: dict[str, str]
+    chain: tuple[Mapping[str, Any], ...]
+
+    def inherited(self, key: str, default: Any = None) -> Any:
+        """The nearest table's value of a non-flag `key` (`default` when no table in the chain sets it)."""
+        return next((table[key] for table in reversed(self.chain) if key in table), default)
+
+
+def fold_extends(
+    kind: str,
+    name: str,
+    raw: Mapping[str, Mapping[str, Any]],
+    meta_keys: frozenset[str],
+    flag_value: Callable[[str, str, Any], Any],
+    seen: tuple[str, ...] = (),
+) -> Folded:
+    """Table `name` of `raw` (a `kind`: "profile" or "preset") over the tables it extends. Keys outside
+    `meta_keys` are flags, each checked and converted by `flag_value(table name, key, value)` (which raises
+    ProfileError)."""
     if name in seen:
-        raise ProfileError(f"profile {name!r} extends itself through {' -> '.join(seen)}")
+        raise ProfileError(f"{kind} {name!r} extends itself through {' -> '.join(seen)}")
     table = raw[name]
-    flags: dict[str, Any] = {}
-    env: dict[str, str] = {}
-    parent_name = table.get("extends")
-    if parent_name is not None:
-        if parent_name not in raw:
-            raise ProfileError(f"profile {name!r} extends unknown profile {parent_name!r}")
-        parent = _resolve(parent_name, raw, (*seen, name))
-        flags.update(parent.flags)
-        env.update(parent.env)
-    for key, value in table.items():
-        if key in _META_KEYS:
-            continue
-        if key in _RESERVED_FLAGS:
-            raise ProfileError(f"profile {name!r} sets --{key}; that comes from the engine settings")
-        if not isinstance(value, str | int | float | bool):
-            raise ProfileError(f"profile {name!r}: --{key} must be a string, number or boolean")
-        flags[key] = value
-    env.update({str(k): str(v) for k, v in dict(table.get("env", {})).items()})
+    base = Folded({}, {}, ())
+    if (parent := table.get("extends")) is not None:
+        if parent not in raw:
+            raise ProfileError(f"{kind} {name!r} extends unknown {kind} {parent!r}")
+        base = fold_extends(kind, parent, raw, meta_keys, flag_value, (*seen, name))
+    flags = dict(base.flags)
+    flags.update({key: flag_value(name, key, value) for key, value in table.items() if key not in meta_keys})
+    env = {**base.env, **{str(k): str(v) for k, v in dict(table.get("env", {})).items()}}
+    return Folded(flags, env, (*base.chain, table))
+
+
+def _flag_value(name: str, key: str, value: Any) -> Any:
+    if key in _RESERVED_FLAGS:
+        raise ProfileError(f"profile {name!r} sets --{key}; that comes from the engine settings")
+    if not isinstance(value, str | int | float | bool):
+        raise ProfileError(f"profile {name!r}: --{key} must be a string, number or boolean")
+    return value
+
+
+def _resolve(name: str, raw: Mapping[str, Mapping[str, Any]]) -> Profile:
+    folded = fold_extends("profile", name, raw, _META_KEYS, _flag_value)
+    table = raw[name]
     return Profile(
         name=name,
         description=str(table.get("description", "")),
-        flags=flags,
-        env=env,
+        flags=folded.flags,
+        env=folded.env,
         hidden=bool(table.get("hidden", False)),
     )
 
