@@ -5,8 +5,6 @@ the dashboard's engine panels have data (issue 9). One engine start.
 
 from __future__ import annotations
 
-import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +15,9 @@ import pytest
 
 from loadtest.dashboard import load_dashboard, panel_queries
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.test_stack import _cli
+from tests.engine.stacks import running_up, up_settings
 from tests.integration.test_monitoring import PROMETHEUS_DIR, _prometheus, _scrape_config
-from tests.procs import ServerProcess, free_port, wait_until
+from tests.procs import free_port, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -48,34 +46,17 @@ def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
 def prometheus(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("vllm-monitoring")
     engine_port, gateway_port, supervisor_port = free_port(), free_port(), free_port()
-    env = {
-        "NEMOTRON_ENGINE__MODEL": demo_model_dir,
-        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
-        "NEMOTRON_ENGINE__PORT": str(engine_port),
-        # Its own state dir: a supervisor finds the running engine of another test in a shared one.
-        "NEMOTRON_ENGINE__STATE_DIR": str(CACHE_ROOT / "engine-tests-monitoring"),
-        "NEMOTRON_ENGINE__METRICS_PORT": str(supervisor_port),
-        "NEMOTRON_PORT": str(gateway_port),
-        # One gateway process: the CPU engine needs this machine's cores more than the gateway does.
-        "NEMOTRON_WORKERS": "1",
-        "NEMOTRON_REDIS_URL": redis_url,
-        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
-        "HF_HUB_OFFLINE": "1",
-    }
-    created = _cli(env, "keys", "create", "--name", f"monitoring-{uuid.uuid4().hex[:8]}", "--rpm", "0", "--tpm", "0")
-    assert created.returncode == 0, created.stderr
-    key = created.stdout.strip().splitlines()[-1]
-    proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "up"],
-        env=env,
-        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
-        start_timeout=420,
-        stop_timeout=30,
-        port=gateway_port,
+    state_dir = CACHE_ROOT / "engine-tests-monitoring"
+    env = up_settings(
+        demo_model_dir, redis_url, engine_port=engine_port, gateway_port=gateway_port, state_dir=state_dir
     )
+    env["NEMOTRON_ENGINE__METRICS_PORT"] = str(supervisor_port)
     rules = Path(workdir / "alerts.yml")
     rules.write_text((PROMETHEUS_DIR / "alerts.yml").read_text())
-    with proc.start(), _prometheus(_scrape_config(gateway_port, supervisor_port, rules), workdir / "prom") as url:
+    with (
+        running_up(env, key_prefix="monitoring", rpm=0, tpm=0) as (proc, key),
+        _prometheus(_scrape_config(gateway_port, supervisor_port, rules), workdir / "prom") as url,
+    ):
         try:
             _traffic(gateway_port, key)
         except openai.APIError as exc:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +23,9 @@ import pytest
 from gateway import demo_model
 from tests.engine import _vllm
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.test_nemotron_presets import WEATHER_TOOL, Stack, _cli, _plugin_path, _token_id
-from tests.procs import ServerProcess, free_port
+from tests.engine.stacks import running_up, up_settings
+from tests.engine.test_nemotron_presets import WEATHER_TOOL, Stack, _plugin_path, _token_id
+from tests.procs import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -41,38 +40,18 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     tmp = tmp_path_factory.mktemp("nemotron-h")
     model = demo_model.write_tiny_nemotron_h(tmp / "model")
     engine_port, gateway_port = free_port(), free_port()
-    env = {
-        "NEMOTRON_ENGINE__MODEL": str(model),
-        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
-        "NEMOTRON_ENGINE__EXTRA_ARGS": '["--load-format", "dummy", "--dtype", "float32"]',
-        "NEMOTRON_ENGINE__PORT": str(engine_port),
-        "NEMOTRON_ENGINE__STATE_DIR": str(STATE_DIR),
-        "NEMOTRON_ENGINE__METRICS_PORT": "0",
-        "NEMOTRON_PORT": str(gateway_port),
-        # One gateway process: the CPU engine needs this machine's cores more than the gateway does.
-        "NEMOTRON_WORKERS": "1",
-        "NEMOTRON_REDIS_URL": redis_url,
-        "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",
-        "NEMOTRON_RELAY__GENERATION_PROBE_TIMEOUT": "60",
-        "NEMOTRON_INJECT_SYSTEM_MESSAGE": "false",
-        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
-        "HF_HUB_OFFLINE": "1",
-    }
+    env = up_settings(model, redis_url, engine_port=engine_port, gateway_port=gateway_port, state_dir=STATE_DIR)
+    env.update(
+        {
+            "NEMOTRON_ENGINE__EXTRA_ARGS": '["--load-format", "dummy", "--dtype", "float32"]',
+            "NEMOTRON_RELAY__GENERATION_PROBE_TIMEOUT": "60",
+            "NEMOTRON_INJECT_SYSTEM_MESSAGE": "false",
+        }
+    )
     if (plugin_path := _plugin_path(tmp / "plugin")) is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [plugin_path, os.environ.get("PYTHONPATH")]))
-    name = f"nemotron-h-{uuid.uuid4().hex[:8]}"
-    key = _cli(env, "keys", "create", "--name", name, "--rpm", "1000", "--tpm", "10000000").strip().splitlines()[-1]
-    proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "up", "--preset", "nemotron-nano-9b-v2"],
-        env=env,
-        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
-        start_timeout=420,
-        stop_timeout=30,
-        port=gateway_port,
-    )
-    with proc.start():
+    with running_up(env, "--preset", "nemotron-nano-9b-v2", key_prefix="nemotron-h") as (proc, key):
         yield Stack(proc, f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{engine_port}", key, Path(model))
-    _cli(env, "keys", "revoke", name)
 
 
 def test_the_hybrid_mamba_engine_runs_the_presets_flags(stack: Stack) -> None:

@@ -15,10 +15,7 @@ import configparser
 import importlib.metadata
 import json
 import os
-import subprocess
-import sys
 import tomllib
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +30,7 @@ from gateway.doctor.check import Status
 from gateway.doctor.model import ModelFlags, check_model_dir
 from tests.engine import _vllm
 from tests.engine.conftest import CACHE_ROOT
+from tests.engine.stacks import running_up, up_settings
 from tests.procs import REPO_ROOT, ServerProcess, free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
@@ -113,20 +111,6 @@ def _plugin_path(tmp: Path) -> str | None:
     return str(tmp)
 
 
-def _cli(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "gateway", *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def defective_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not _vllm.vllm_installed():
@@ -140,40 +124,22 @@ def stack(defective_model: Path, redis_url: str, tmp_path_factory: pytest.TempPa
     engine_port, gateway_port = free_port(), free_port()
     tmp = tmp_path_factory.mktemp("presets")
     (tmp / "operator.toml").write_text(OPERATOR_PRESETS)
-    env = {
-        "NEMOTRON_ENGINE__MODEL": str(defective_model),
-        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
-        "NEMOTRON_ENGINE__PROFILES_FILE": str(tmp / "operator.toml"),
-        "NEMOTRON_ENGINE__PORT": str(engine_port),
-        "NEMOTRON_ENGINE__STATE_DIR": str(STATE_DIR),
-        "NEMOTRON_ENGINE__METRICS_PORT": "0",
-        "NEMOTRON_PORT": str(gateway_port),
-        # One gateway process: the CPU engine needs this machine's cores more than the gateway does.
-        "NEMOTRON_WORKERS": "1",
-        "NEMOTRON_REDIS_URL": redis_url,
-        "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",
-        # The CPU engine's first generations on a busy 2-core machine may outlast the default 10 s probe.
-        "NEMOTRON_RELAY__GENERATION_PROBE_TIMEOUT": "60",
-        # Requests reach the engine without a system message unless they carry one: the template must cope.
-        "NEMOTRON_INJECT_SYSTEM_MESSAGE": "false",
-        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
-        "HF_HUB_OFFLINE": "1",
-    }
+    env = up_settings(
+        defective_model, redis_url, engine_port=engine_port, gateway_port=gateway_port, state_dir=STATE_DIR
+    )
+    env.update(
+        {
+            "NEMOTRON_ENGINE__PROFILES_FILE": str(tmp / "operator.toml"),
+            # The CPU engine's first generations on a busy 2-core machine may outlast the default 10 s probe.
+            "NEMOTRON_RELAY__GENERATION_PROBE_TIMEOUT": "60",
+            # Requests reach the engine without a system message unless they carry one: the template must cope.
+            "NEMOTRON_INJECT_SYSTEM_MESSAGE": "false",
+        }
+    )
     if (plugin_path := _plugin_path(tmp / "plugin")) is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [plugin_path, os.environ.get("PYTHONPATH")]))
-    name = f"presets-{uuid.uuid4().hex[:8]}"
-    key = _cli(env, "keys", "create", "--name", name, "--rpm", "1000", "--tpm", "10000000").strip().splitlines()[-1]
-    proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "up", "--preset", "demo-nemotron"],
-        env=env,
-        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
-        start_timeout=420,
-        stop_timeout=30,
-        port=gateway_port,
-    )
-    with proc.start():
+    with running_up(env, "--preset", "demo-nemotron", key_prefix="presets") as (proc, key):
         yield Stack(proc, f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{engine_port}", key, defective_model)
-    _cli(env, "keys", "revoke", name)
 
 
 def test_the_doctor_finds_the_seeded_defects_and_names_the_preset(defective_model: Path, tmp_path: Path) -> None:

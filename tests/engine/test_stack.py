@@ -9,8 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +21,8 @@ import pytest
 
 from gateway.supervisor.process import group_members, shared_memory_of
 from tests.engine.conftest import CACHE_ROOT
-from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
+from tests.engine.stacks import gateway_cli, running_up, up_settings
+from tests.procs import ServerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -55,55 +54,23 @@ class Stack:
         return sum(float(v) for v in found)
 
 
-def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-        check=False,
-    )
-
-
 @pytest.fixture(scope="module")
 def stack(demo_model_dir: str, redis_url: str) -> Iterator[Stack]:
     engine_port, gateway_port = free_port(), free_port()
-    env = {
-        "NEMOTRON_ENGINE__MODEL": demo_model_dir,
-        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
-        "NEMOTRON_ENGINE__PORT": str(engine_port),
-        "NEMOTRON_ENGINE__STATE_DIR": str(STATE_DIR),
-        "NEMOTRON_ENGINE__METRICS_PORT": "0",
-        "NEMOTRON_ENGINE__BACKOFF_INITIAL": "0.5",
-        "NEMOTRON_ENGINE__PROBE_INTERVAL": "1",
-        # vLLM logs "Aborted request" only with this: the disconnect tests read it.
-        "NEMOTRON_ENGINE__EXTRA_ARGS": '["--enable-log-requests"]',
-        "NEMOTRON_PORT": str(gateway_port),
-        # One gateway process: the CPU engine needs this machine's cores more than the gateway does.
-        "NEMOTRON_WORKERS": "1",
-        "NEMOTRON_REDIS_URL": redis_url,
-        "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",
-        "NEMOTRON_ENGINE_API_KEY": ENGINE_KEY,
-        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
-        "HF_HUB_OFFLINE": "1",
-    }
-    name = f"engine-tier-{uuid.uuid4().hex[:8]}"
-    created = _cli(env, "keys", "create", "--name", name, "--rpm", "1000", "--tpm", "10000000")
-    assert created.returncode == 0, created.stderr
-    key = created.stdout.strip().splitlines()[-1]
-    proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "up"],
-        env=env,
-        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
-        start_timeout=420,
-        stop_timeout=30,
-        port=gateway_port,
+    env = up_settings(
+        demo_model_dir, redis_url, engine_port=engine_port, gateway_port=gateway_port, state_dir=STATE_DIR
     )
-    with proc.start():
+    env.update(
+        {
+            "NEMOTRON_ENGINE__BACKOFF_INITIAL": "0.5",
+            "NEMOTRON_ENGINE__PROBE_INTERVAL": "1",
+            # vLLM logs "Aborted request" only with this: the disconnect tests read it.
+            "NEMOTRON_ENGINE__EXTRA_ARGS": '["--enable-log-requests"]',
+            "NEMOTRON_ENGINE_API_KEY": ENGINE_KEY,
+        }
+    )
+    with running_up(env, key_prefix="engine-tier") as (proc, key):
         yield Stack(proc, f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{engine_port}", key, env)
-    _cli(env, "keys", "revoke", name)
 
 
 def test_sdk_chat_stream_and_completion_through_the_gateway(stack: Stack) -> None:
@@ -235,7 +202,7 @@ def test_bad_profile_missing_model_and_unknown_flag_fail_fast(stack: Stack, args
     env = {**stack.env, "NEMOTRON_ENGINE__PORT": str(free_port())}
     if args[0] == "--extra":
         env["NEMOTRON_ENGINE__EXTRA_ARGS"], args = args[1], []
-    result = _cli(env, "engine", *args)
+    result = gateway_cli(env, "engine", *args)
     assert result.returncode == 2
     assert phrase in result.stderr
     assert "Traceback" not in result.stderr

@@ -1,0 +1,74 @@
+"""What the engine-tier modules share to run `nemotron-gateway up` on the CPU build of vLLM: its settings, the CLI,
+and the running stack with a key of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.engine.conftest import CACHE_ROOT
+from tests.procs import REPO_ROOT, ServerProcess
+
+
+def gateway_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`nemotron-gateway ARGS` with `env` over this process's environment; the caller checks the outcome."""
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        check=False,
+    )
+
+
+def up_settings(
+    model: str | Path, redis_url: str, *, engine_port: int, gateway_port: int, state_dir: Path
+) -> dict[str, str]:
+    """The settings every engine-tier stack starts from (a module adds or overrides its own)."""
+    return {
+        "NEMOTRON_ENGINE__MODEL": str(model),
+        "NEMOTRON_ENGINE__PROFILE": "cpu-dev",
+        "NEMOTRON_ENGINE__PORT": str(engine_port),
+        # A module's own state dir: a supervisor finds the running engine of another module in a shared one.
+        "NEMOTRON_ENGINE__STATE_DIR": str(state_dir),
+        "NEMOTRON_ENGINE__METRICS_PORT": "0",
+        "NEMOTRON_PORT": str(gateway_port),
+        # One gateway process: the CPU engine needs this machine's cores more than the gateway does.
+        "NEMOTRON_WORKERS": "1",
+        "NEMOTRON_REDIS_URL": redis_url,
+        "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",
+        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+@contextlib.contextmanager
+def running_up(
+    env: dict[str, str], *up_args: str, key_prefix: str, rpm: int = 1000, tpm: int = 10_000_000
+) -> Iterator[tuple[ServerProcess, str]]:
+    """`nemotron-gateway up UP_ARGS` with `env`, ready, and a key of its own (revoked afterwards)."""
+    name = f"{key_prefix}-{uuid.uuid4().hex[:8]}"
+    created = gateway_cli(env, "keys", "create", "--name", name, "--rpm", str(rpm), "--tpm", str(tpm))
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    gateway_port = env["NEMOTRON_PORT"]
+    proc = ServerProcess(
+        [sys.executable, "-m", "gateway", "up", *up_args],
+        env=env,
+        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
+        start_timeout=420,
+        stop_timeout=30,
+        port=int(gateway_port),
+    )
+    try:
+        with proc.start():
+            yield proc, key
+    finally:
+        gateway_cli(env, "keys", "revoke", name)
