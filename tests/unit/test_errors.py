@@ -11,6 +11,7 @@ from gateway import errors
 from gateway.errors import (
     AuthenticationError,
     EngineConnectionLostError,
+    EngineCredentialsError,
     EngineProtocolError,
     EngineRefusedError,
     EngineTimeoutError,
@@ -56,6 +57,7 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     KeyStoreUnavailableError: (503, "service_unavailable", "key_store_unavailable"),
     OverloadedError: (503, "service_unavailable", "too_many_connections"),
     EngineProtocolError: (502, "service_unavailable", "engine_protocol_error"),
+    EngineCredentialsError: (502, "service_unavailable", "engine_key_refused"),
     EngineTimeoutError: (504, "service_unavailable", "engine_timeout"),
 }
 RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
@@ -67,6 +69,7 @@ RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
     KeyStoreUnavailableError,
     OverloadedError,
     EngineProtocolError,
+    EngineCredentialsError,
     EngineTimeoutError,
 ]
 NOT_RETRYABLE = [cls for cls in EXPECTED if cls not in RETRYABLE]
