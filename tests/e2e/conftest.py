@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.supervised import engine_env
+from tests.e2e.supervised import engine_env, up_process
 from tests.procs import ServerProcess, free_port
 
 
@@ -32,13 +31,6 @@ def up_stack(state_dir: Path, redis_url: str) -> Iterator[tuple[ServerProcess, i
         # Two workers, each with its own view of the engine: /ready's 200 from one must hold for the other.
         NEMOTRON_WORKERS="2",
     )
-    proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "up"],
-        env=env,
-        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
-        start_timeout=30,
-        stop_timeout=15,
-        port=gateway_port,
-    )
+    proc = up_process(env, gateway_port)
     with proc.start():
         yield proc, engine_port, gateway_port

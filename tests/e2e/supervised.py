@@ -32,6 +32,19 @@ def engine_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:
     }
 
 
+def up_process(env: dict[str, str], gateway_port: int) -> ServerProcess:
+    """`nemotron-gateway up` over the fake engine with `env` (from `engine_env`), ready once the gateway's /ready
+    answers 200; not started."""
+    return ServerProcess(
+        [sys.executable, "-m", "gateway", "up"],
+        env=env,
+        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
+        start_timeout=30,
+        stop_timeout=15,
+        port=gateway_port,
+    )
+
+
 def status(state_dir: Path) -> dict[str, object]:
     try:
         return dict(json.loads((state_dir / "engine.json").read_text()))

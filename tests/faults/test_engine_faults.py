@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from gateway.supervisor.process import group_members, remove_files, shared_memory_of
-from tests.e2e.supervised import engine_env, status
+from tests.e2e.supervised import engine_env, status, up_process
 from tests.faults.conftest import (
     GATEWAY_ENV,
     MODEL,
@@ -76,14 +75,7 @@ def up_stack(tmp_path: Path, redis_url: str) -> Iterator[UpStack]:
         NEMOTRON_ENGINE__BACKOFF_INITIAL="0.5",
         **GATEWAY_ENV,
     )
-    proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "up"],
-        env=env,
-        ready_url=f"http://127.0.0.1:{gateway_port}/ready",
-        start_timeout=30,
-        stop_timeout=15,
-        port=gateway_port,
-    )
+    proc = up_process(env, gateway_port)
     with proc.start():
         headers = {"Authorization": f"Bearer {secret}"}
         yield UpStack(proc, f"http://127.0.0.1:{gateway_port}", state_dir, key_name, headers, redis_url)
