@@ -38,7 +38,12 @@ class Container:
         self.leader = 0
 
     def __enter__(self) -> Self:
-        return self.boot()
+        # `with` calls __exit__ only after __enter__ returned: a failed boot must not leave nspawn running.
+        try:
+            return self.boot()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -65,7 +70,11 @@ class Container:
             raise RuntimeError(f"systemd-nspawn exited with {self._proc.returncode}:\n{self.log()}")
         children = Path(f"/proc/{self._proc.pid}/task/{self._proc.pid}/children").read_text().split()
         for child in children:
-            if Path(f"/proc/{child}/comm").read_text().strip() == "systemd":
+            try:
+                name = Path(f"/proc/{child}/comm").read_text().strip()
+            except (FileNotFoundError, ProcessLookupError):  # a helper that exited since the listing
+                continue
+            if name == "systemd":
                 return int(child)
         return None
 
