@@ -65,6 +65,18 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
+        self.api_requests = Counter(
+            "nemotron_gateway_api_requests",
+            "Requests of the relayed APIs answered, by API (chat, completions, responses, messages) and HTTP status.",
+            ["api", "status"],
+            registry=r,
+        )
+        self.api_tokens = Counter(
+            "nemotron_gateway_api_tokens",
+            "Tokens the engine reported, by API and kind (prompt, completion, reasoning: part of completion).",
+            ["api", "kind"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "nemotron_gateway_requests_in_flight",
             "Requests being served right now.",
@@ -140,6 +152,17 @@ class GatewayMetrics:
             "Redis calls that failed (after the one retry), answered as the key store being unavailable.",
             registry=r,
         )
+
+    def count_api(
+        self, api: str, status: int, prompt: int | None, completion: int | None, reasoning: int | None
+    ) -> None:
+        """Count one request of a relayed API and the tokens the engine reported for it (few, fixed label values)."""
+        self.api_requests.labels(api, str(status)).inc()
+        if prompt is not None and completion is not None:
+            self.api_tokens.labels(api, "prompt").inc(prompt)
+            self.api_tokens.labels(api, "completion").inc(completion)
+        if reasoning is not None:
+            self.api_tokens.labels(api, "reasoning").inc(reasoning)
 
     def count_key(self, name: str, status: int, prompt: int | None, completion: int | None) -> None:
         """Count one request of key `name` (nothing when per-key labels are off)."""

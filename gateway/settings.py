@@ -248,6 +248,16 @@ class EngineSettings(_Group):
     )
     log_lines: int = Field(200, ge=10, description="Engine output lines kept to show when start-up fails.")
     run_doctor: bool = Field(True, description="Run the fatal preflight checks before spawning the engine.")
+    responses_store: bool = Field(
+        False,
+        description="Keep Responses API answers in the engine (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, which the "
+        "supervisor sets from this): `previous_response_id`, `background`, GET and cancel of /v1/responses/{id} "
+        "work, each only for the key that created the response. In the engine's memory, never evicted, lost when "
+        "it restarts. The gateway reads the same setting.",
+    )
+    responses_store_ttl: float = Field(
+        86400.0, gt=0, description="Seconds the gateway remembers which key created a stored response."
+    )
 
     @model_validator(mode="before")
     @classmethod
