@@ -47,7 +47,14 @@ def _events(response: http.client.HTTPResponse) -> list[tuple[str, Any]]:
 
 
 def _result(started: float, status: int) -> dict[str, Any]:
-    return {"status": status, "seconds": round(time.perf_counter() - started, 3), "error": None}
+    # `seconds` is set again once the whole answer is read (see `_timed`).
+    return {"status": status, "seconds": None, "error": None, "started": started}
+
+
+def _timed(result: dict[str, Any]) -> dict[str, Any]:
+    """`result` with the seconds from the request to the end of its answer."""
+    result["seconds"] = round(time.perf_counter() - result.pop("started"), 3)
+    return result
 
 
 def responses(url: str, key: str, model: str, max_tokens: int, *, stream: bool) -> dict[str, Any]:
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         ("messages", messages, False),
     ):
         try:
-            report[name] = check(args.url, args.key, args.model, args.max_tokens, stream=stream)
+            report[name] = _timed(check(args.url, args.key, args.model, args.max_tokens, stream=stream))
         except (OSError, http.client.HTTPException, ValueError) as exc:
             report[name] = {"status": None, "error": f"{type(exc).__name__}: {exc}"}
     sys.stdout.write(json.dumps(report) + "\n")

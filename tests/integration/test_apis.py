@@ -85,7 +85,8 @@ def oai(url: str, key: str) -> openai.OpenAI:
 
 
 def claude(url: str, key: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=20)
+    # The key as `x-api-key`, as Anthropic's API wants it (this SDK's `api_key` is sent as a Bearer token).
+    return anthropic.Anthropic(base_url=url, default_headers={"x-api-key": key}, max_retries=0, timeout=20)
 
 
 def blocks(raw: bytes) -> list[bytes]:
