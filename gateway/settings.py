@@ -370,6 +370,14 @@ class Settings(BaseSettings):
         description="Most chat messages (or prompts in a batch) one request may carry; checked before the costly "
         'per-message checks: on the raw body (its "role" keys) before it is even parsed, and exactly after.',
     )
+    max_list_entries: int = Field(
+        8192,
+        ge=1,
+        description="Most entries the other lists one request carries may hold together (content parts, tool "
+        "calls, tools, stop strings, logit_bias entries); checked before the costly per-entry checks: on the raw "
+        'body (its "type" keys, which JSON-schema nodes inside tools also have) before it is parsed, and exactly '
+        "after.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Write one access-log line per request.")
     log_format: Literal["text", "json"] = Field(
