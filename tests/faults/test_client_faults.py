@@ -95,6 +95,7 @@ def test_key_holders_sending_bodies_of_150000_content_parts_are_refused_while_he
     answers: list[httpx.Response] = []
     health: list[tuple[int, float]] = []
     done = threading.Event()
+    fault_engine.reset()
     with gateway_on(fault_engine, redis_url) as gateway:
         headers = {**gateway.headers, "Content-Type": "application/json"}
 
