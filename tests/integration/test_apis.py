@@ -33,6 +33,7 @@ BASE_ENV = {
     "NEMOTRON_RELAY__HEARTBEAT_INTERVAL": "0.3",
     "NEMOTRON_RELAY__CHUNK_TIMEOUT": "2",
     "NEMOTRON_MAX_MESSAGES": "50",
+    "NEMOTRON_MAX_LIST_ENTRIES": "60",
 }
 HI = [{"role": "user", "content": "Hi there"}]
 
@@ -270,14 +271,15 @@ def test_responses_validation_names_the_field_in_openais_envelope(urls: dict[str
             ({"input": "Hi", "stream": "yes"}, "stream"),
             ({"input": "Hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
             ({"input": [{"role": "user", "content": "x"}] * 51}, "input"),
-            ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}] * 51}]}, "input[0].content"),
+            # Counted exactly once parsed (these parts carry no `"type"` to count in the raw body).
+            ({"input": [{"role": "user", "content": [{"text": "x"}] * 61}]}, "input"),
         ):
             with pytest.raises(openai.BadRequestError) as bad:
                 sdk.post("/responses", body={"model": MODEL, **body}, cast_to=httpx.Response)
             assert bad.value.body["param"] == param, bad.value.body  # type: ignore[index]
-    with claude(urls["on"], key) as sdk, pytest.raises(anthropic.BadRequestError, match="content"):
+    with claude(urls["on"], key) as sdk, pytest.raises(anthropic.BadRequestError, match="list entries"):
         sdk.messages.create(
-            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [{"type": "text", "text": "x"}] * 51}]
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [{"type": "text", "text": "x"}] * 61}]
         )  # type: ignore[list-item]
 
 
