@@ -53,11 +53,12 @@ async def _on_unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 class _Dispatcher:
-    """Every request against the route table: the hot completion routes straight to their handlers, the
-    other served routes to FastAPI, anything else a 404 or 405 in OpenAI's envelope.
+    """Every request against the route table: the relayed APIs to the one relay handler and the stored-response
+    routes to theirs, the other served routes to FastAPI, anything else a 404 or 405 in OpenAI's envelope.
 
-    Starlette's routing layers cost ~14% of the gateway's CPU per request (loadtest profile); the two
-    hot routes skip them. Errors are answered exactly as the app's handlers answer them.
+    Starlette's routing layers cost ~14% of the gateway's CPU per request (loadtest profile); the hot routes
+    skip them. Their errors come in the row's envelope (OpenAI's, or Anthropic's on the Messages routes); the
+    dispatcher names the row and its API on the request record, for the metrics and the access log.
     """
 
     def __init__(self, app: Any, metrics: GatewayMetrics, table: RouteTable) -> None:
