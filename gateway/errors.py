@@ -14,6 +14,7 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      ├─ NotFoundError            404  invalid_request_error   code=model_not_found
      │   └─ RouteNotFoundError   404  invalid_request_error   code=unknown_url
      ├─ RateLimitError           429  rate_limit_error        code=rate_limit_exceeded, + Retry-After
+     │   └─ QuotaExceededError   429  insufficient_quota      code=insufficient_quota (a spent token budget)
      ├─ InternalError            500  internal_error
      └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
          ├─ EngineUnavailableError    503  code=engine_unavailable
@@ -184,6 +185,13 @@ class RateLimitError(_RetryableError):
         # limit: the exhausted one, for the metrics: requests, tokens, concurrency or failed_auth.
         super().__init__(message, retry_after=retry_after, param=param, headers=headers)
         self.cause = limit
+
+
+class QuotaExceededError(RateLimitError):
+    """A token budget of the key (daily or monthly) is spent; `Retry-After` is the end of its window."""
+
+    type = "insufficient_quota"
+    code = "insufficient_quota"
 
 
 class ServiceUnavailableError(_RetryableError):

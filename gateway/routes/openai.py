@@ -8,13 +8,15 @@ and answer with an ASGI app: the engine's whole answer, or for streams the SSE r
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Awaitable, Callable
 
 import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import RequestTooLargeError
+from gateway.ratelimit import Lease, RateLimiter, TokenDetail
+from gateway.requestlog import RequestRecord
 from gateway.types import ASGIApp
 from gateway.validation import Prepare, prepare_chat, prepare_completion
 
@@ -49,7 +51,8 @@ async def _relay(request: Request, path: str, prepare: Prepare) -> ASGIApp:
     lease = None
     if key is not None:
         services.keys.check_model(key, prepared.model)
-        lease = await services.limiter.acquire(key, prepared.tokens_estimate)
+        # The API is the route's metric label (the served path), so usage by API counts every route that relays.
+        lease = await services.limiter.acquire(key, prepared.tokens_estimate, path)
     return await services.relay.forward(
         path,
         prepared.body,
@@ -58,8 +61,18 @@ async def _relay(request: Request, path: str, prepare: Prepare) -> ASGIApp:
         stream=prepared.stream,
         strip_usage=not prepared.client_wants_usage,
         headers=lease.headers if lease is not None else {},
-        settle=functools.partial(services.limiter.release, lease) if lease is not None else None,
+        settle=_settle(services.limiter, lease, record) if lease is not None else None,
     )
+
+
+def _settle(limiter: RateLimiter, lease: Lease, record: RequestRecord) -> Callable[[int | None], Awaitable[None]]:
+    """Release `lease` with the tokens the engine reported on `record`, read when the exchange ends."""
+
+    async def settle(used: int | None) -> None:
+        detail = TokenDetail(record.prompt_tokens, record.completion_tokens, record.reasoning_tokens)
+        await limiter.release(lease, used, detail)
+
+    return settle
 
 
 async def chat_completions(request: Request) -> ASGIApp:
