@@ -73,8 +73,11 @@ def key_fields(key: ApiKey | None) -> dict[str, Any]:
 
 
 def changes(before: ApiKey | None, after: ApiKey | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fields that differ between two versions of a key record, as (before, after)."""
+    """The fields that differ between two versions of a key record, as (before, after); all of them when one is
+    None (a key created)."""
     old, new = key_fields(before), key_fields(after)
+    if before is None or after is None:
+        return old, new  # created (or gone): every field
     changed = [name for name in dict.fromkeys([*old, *new]) if old.get(name) != new.get(name)]
     return {name: old[name] for name in changed if name in old}, {name: new[name] for name in changed if name in new}
 

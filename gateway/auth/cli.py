@@ -245,6 +245,8 @@ async def _list(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, 
 async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, name: str, *, as_json: bool) -> None:
     key = await store.get(name)
     row = _describe(key, (await limiter.usage([key.name]))[key.name], settings)
+    budget = await limiter.budget_usage(key.name)
+    row["budget_used"] = {"day": budget.day, "month": budget.month}
     if as_json:
         _out(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode())
         return
@@ -257,6 +259,8 @@ async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, 
         ("requests/min", _limit_cell(row, "requests_per_minute")),
         ("tokens/min", _limit_cell(row, "tokens_per_minute")),
         ("max concurrency", _limit_cell(row, "max_concurrency")),
+        ("tokens/day", f"{_limit_cell(row, 'daily_tokens')} (used {budget.day})"),
+        ("tokens/month", f"{_limit_cell(row, 'monthly_tokens')} (used {budget.month})"),
         ("models", ", ".join(row["models"]) if row["models"] is not None else "all"),
         ("requests today", str(row["usage_today"]["requests"])),
         ("tokens today", str(row["usage_today"]["tokens"])),
@@ -346,11 +350,15 @@ def _describe(key: ApiKey, usage: Usage, settings: Settings) -> dict[str, Any]:
             "requests_per_minute": _effective(own.requests_per_minute, defaults.requests_per_minute),
             "tokens_per_minute": _effective(own.tokens_per_minute, defaults.tokens_per_minute),
             "max_concurrency": _effective(own.max_concurrency, defaults.max_concurrency),
+            "daily_tokens": _effective(own.daily_tokens, defaults.daily_tokens),
+            "monthly_tokens": _effective(own.monthly_tokens, defaults.monthly_tokens),
         },
         "own_limits": {
             "requests_per_minute": own.requests_per_minute,
             "tokens_per_minute": own.tokens_per_minute,
             "max_concurrency": own.max_concurrency,
+            "daily_tokens": own.daily_tokens,
+            "monthly_tokens": own.monthly_tokens,
         },
         "models": list(key.models) if key.models is not None else None,
         "usage_today": {"day": usage.day.isoformat(), "requests": usage.requests, "tokens": usage.tokens},

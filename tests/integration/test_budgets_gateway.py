@@ -91,6 +91,10 @@ def test_a_spent_budget_is_a_429_insufficient_quota_with_retry_after_to_the_wind
     assert abs(retry_after - _seconds_to_utc_midnight()) < 30, retry_after
     assert refused.headers["x-budget-remaining-tokens-day"] == "0"
     assert refused.headers["x-budget-remaining-tokens-month"] == "950"
+    shown, listed = keys_cli(redis_clean, ["show", "spender"], ["show", "spender", "--json"])
+    assert "tokens/day:      50 (used 50)" in shown.stdout and "tokens/month:    1000 (used 50)" in shown.stdout
+    row = orjson.loads(listed.stdout)
+    assert row["limits"]["daily_tokens"] == 50 and row["budget_used"] == {"day": 50, "month": 50}
 
 
 async def test_a_budget_holds_across_two_gateways_under_concurrent_load(urls: list[str], redis_clean: str) -> None:
