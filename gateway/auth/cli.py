@@ -80,6 +80,9 @@ def add_keys_parser(
     revoke = verbs.add_parser("revoke", help="Revoke a key for good (within a second, on every gateway).")
     revoke.add_argument("name")
 
+    delete = verbs.add_parser("delete", help="Delete a key's record (it stops working; the audit trail keeps it).")
+    delete.add_argument("name")
+
     rotate = verbs.add_parser("rotate", help="Replace a key's secret; prints the new one on the last line.")
     rotate.add_argument("name")
 
@@ -107,12 +110,12 @@ def add_keys_parser(
     audit.add_argument("name", nargs="?", help="One key (default: every key).")
     audit.add_argument("--limit", type=_positive_arg, default=100, metavar="N", help="Newest N entries (100).")
     audit.add_argument("--json", action="store_true", help="JSON instead of text.")
-    for changing in (create, revoke, rotate, update):
+    for changing in (create, revoke, delete, rotate, update):
         changing.add_argument(
             "--operator", metavar="NAME", help="Who makes the change, for the audit trail (default: the OS user)."
         )
     if common is not None:
-        for verb in (create, listing, show, revoke, rotate, update, usage, audit):
+        for verb in (create, listing, show, revoke, delete, rotate, update, usage, audit):
             common(verb)
 
 
@@ -149,6 +152,9 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif verb == "revoke":
             await store.revoke(args.name)
             _out(f"Revoked API key '{args.name}'; it stops working on every gateway within a second.")
+        elif verb == "delete":
+            await store.delete(args.name)
+            _out(f"Deleted API key '{args.name}'; it stops working on every gateway within a second.")
         elif verb == "rotate":
             secret = await store.rotate(args.name)
             _out(f"Rotated API key '{args.name}'; the old secret no longer works. New secret (shown once):")

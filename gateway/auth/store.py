@@ -94,6 +94,7 @@ class KeyStore:
         self._revoke = redis.register_script(scripts.REVOKE)
         self._rotate = redis.register_script(scripts.ROTATE)
         self._update = redis.register_script(scripts.UPDATE)
+        self._delete = redis.register_script(scripts.DELETE)
 
     @property
     def hashes_keyed(self) -> bool:
@@ -193,6 +194,16 @@ class KeyStore:
         if not found:
             raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
         await self.audit.record("revoke", before, await self.get(name))
+
+    async def delete(self, name: str) -> None:
+        """Delete `name`'s record (revoked or not): it stops working everywhere within a second and its name is free
+        again; only the audit trail remembers it."""
+        before = await self.get(name)
+        args = [_DIGEST, INVALIDATION_CHANNEL, name]
+        found = await self._calls(lambda: self._delete(keys=[_RECORD + validate_name(name), _NAMES], args=args))
+        if not found:
+            raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
+        await self.audit.record("delete", before, None)
 
     async def rotate(self, name: str) -> str:
         """A new secret for `name`, keeping its name, limits and usage; the old secret stops working."""

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as redis_asyncio
 from pydantic import SecretStr
 
-from gateway.auth import ApiKey, KeyLimits, KeyStore
+from gateway.auth import ApiKey, KeyLimits, KeyNotFoundError, KeyStore
 from gateway.errors import QuotaExceededError, RateLimitError
 from gateway.ratelimit import Lease, RedisRateLimiter, TokenDetail
 from gateway.redis_client import connect_redis
@@ -222,20 +222,25 @@ async def test_every_change_to_a_key_is_audited_with_the_fields_before_and_after
     await store.set_disabled("audited", True)
     new_secret = await store.rotate("audited")
     await store.revoke("audited")
+    await store.delete("audited")
     await processes.store(operator="bob").create("other")
     entries = await processes.store().audit.read("audited")
-    assert [entry.action for entry in entries] == ["create", "set", "disable", "rotate", "revoke"]
+    assert [entry.action for entry in entries] == ["create", "set", "disable", "rotate", "revoke", "delete"]
     assert {entry.operator for entry in entries} == {"alice"}
-    create, change, disable, rotate, revoke = entries
+    create, change, disable, rotate, revoke, delete = entries
     assert create.before == {} and create.after["limits.daily_tokens"] == 1000 and create.prefix == key.prefix
     assert change.before == {"limits.daily_tokens": 1000, "limits.monthly_tokens": None}
     assert change.after == {"limits.daily_tokens": 500, "limits.monthly_tokens": 9000}
     assert (disable.before, disable.after) == ({"disabled": False}, {"disabled": True})
     assert rotate.before == {"prefix": key.prefix} and rotate.after == {"prefix": new_secret[:9]}
     assert (revoke.before, revoke.after) == ({"revoked": False}, {"revoked": True})
+    assert delete.after == {} and delete.before["name"] == "audited" and delete.before["revoked"] is True
+    with pytest.raises(KeyNotFoundError):
+        await store.get("audited")
+    await store.create("audited")  # the name is free again
     everything = await processes.store().audit.read()
-    assert [entry.name for entry in everything] == ["audited"] * 5 + ["other"]
-    assert everything[-1].operator == "bob"
+    assert [entry.name for entry in everything] == ["audited"] * 6 + ["other", "audited"]
+    assert everything[-2].operator == "bob"
     raw = repr(await processes._clients[0].xrange("nemotron:{keys}:audit"))
     for leaked in (secret, new_secret, secret[9:25], new_secret[9:25]):
         assert leaked not in raw

@@ -202,6 +202,8 @@ def test_audit_cli_records_each_verb_with_its_operator_and_never_the_secret(urls
     secrets.append(last_line_secret(rotated))
     (revoked,) = keys_cli(redis_clean, ["revoke", "trail", "--operator", "dave"])
     assert revoked.returncode == 0, revoked.stderr
+    (deleted,) = keys_cli(redis_clean, ["delete", "trail", "--operator", "dave"])
+    assert deleted.returncode == 0, deleted.stderr
     as_json, text = keys_cli(redis_clean, ["audit", "trail", "--json"], ["audit"])
     entries = orjson.loads(as_json.stdout)
     assert [(e["action"], e["operator"]) for e in entries] == [
@@ -209,6 +211,7 @@ def test_audit_cli_records_each_verb_with_its_operator_and_never_the_secret(urls
         ("set", "carol"),
         ("rotate", "carol"),
         ("revoke", "dave"),
+        ("delete", "dave"),
     ]
     assert entries[1]["before"] == {"limits.monthly_tokens": None}
     assert entries[1]["after"] == {"limits.monthly_tokens": 5000}
