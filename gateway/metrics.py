@@ -146,7 +146,8 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
-        self._budget_keys: set[str] = set()
+        # Key name -> window -> (budget, used) children, looked up once (see set_key_budget).
+        self._budget_children: dict[str, dict[str, tuple[Any, Any]]] = {}
         self.redis_call_duration = Histogram(
             "nemotron_gateway_redis_call_duration_seconds",
             "Time of one Redis call through the gateway's Redis boundary, retry included.",
@@ -181,13 +182,22 @@ class GatewayMetrics:
         """Export key `name`'s budgets (0: none) and its use of them (nothing when per-key labels are off)."""
         if not self.per_key:
             return
-        self.forgotten.discard(name)
-        self._budget_keys.add(name)
+        windows = self._budget_children.get(name)
+        if windows is None:
+            self.forgotten.discard(name)
+            windows = self._budget_children[name] = {}
         for window, budget, used in (("day", daily, day_used), ("month", monthly, month_used)):
+            children = windows.get(window)
             if budget:
-                self.key_budget.labels(name, window).set(budget)
-                self.key_budget_used.labels(name, window).set(used)
-            else:
+                if children is None:
+                    children = windows[window] = (
+                        self.key_budget.labels(name, window),
+                        self.key_budget_used.labels(name, window),
+                    )
+                children[0].set(budget)
+                children[1].set(used)
+            elif children is not None:
+                del windows[window]
                 self._remove_budget(name, window)
 
     def _remove_budget(self, name: str, window: str) -> None:
@@ -210,9 +220,8 @@ class GatewayMetrics:
                 self.key_requests.remove(key, str(status))
             for kind in ("prompt", "completion"):
                 self.key_tokens.remove(key, kind)
-        for key in list(self._budget_keys) if name == "*" else [name]:
-            self._budget_keys.discard(key)
-            for window in ("day", "month"):
+        for key in list(self._budget_children) if name == "*" else [name]:
+            for window in self._budget_children.pop(key, {}):
                 self._remove_budget(key, window)
 
 

@@ -182,7 +182,9 @@ class RateLimitSettings(_Group):
         10.0, gt=0, description="Seconds between renewals of this process's live slots; must be below `lease_ttl`."
     )
     fail_open: bool = Field(
-        False, description="While Redis is down, admit requests without limits (default: fail closed, 503)."
+        False,
+        description="While Redis is down, admit requests without limits or token budgets, uncharged (default: fail "
+        "closed, 503).",
     )
     usage_retention_days: int = Field(
         400,
