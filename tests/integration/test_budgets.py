@@ -14,10 +14,11 @@ import redis.asyncio as redis_asyncio
 from pydantic import SecretStr
 
 from gateway.auth import ApiKey, KeyLimits, KeyNotFoundError, KeyStore
-from gateway.errors import QuotaExceededError, RateLimitError
+from gateway.errors import KeyStoreUnavailableError, QuotaExceededError, RateLimitError
 from gateway.ratelimit import Lease, RedisRateLimiter, TokenDetail
 from gateway.redis_client import connect_redis
 from gateway.settings import AuthSettings, RateLimitSettings, Settings
+from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -260,3 +261,21 @@ async def test_the_audit_trail_is_capped(redis_clean: str) -> None:
         assert newest[0].after == {"limits.requests_per_minute": 400}
     finally:
         await client.aclose()
+
+
+async def test_redis_down_budgets_fail_closed_or_open_as_the_limits_do() -> None:
+    key = _key(daily=10)
+    for fail_open in (False, True):
+        settings = _settings(f"redis://127.0.0.1:{free_port()}/0", fail_open=fail_open)
+        client = connect_redis(settings)
+        limiter = RedisRateLimiter(client, settings)
+        try:
+            if not fail_open:
+                with pytest.raises(KeyStoreUnavailableError):
+                    await limiter.acquire(key, 1000)
+                continue
+            lease = await limiter.acquire(key, 1000)  # over the budget, but nothing can be checked or charged
+            assert lease.degraded and "x-budget-remaining-tokens-day" not in lease.headers
+            await limiter.release(lease, 1000)
+        finally:
+            await client.aclose()
