@@ -100,8 +100,8 @@ class GatewayMetrics:
         )
         self.rate_limited = Counter(
             "nemotron_gateway_rate_limited",
-            "Requests refused 429, by the exhausted limit (requests, tokens, concurrency, failed_auth: an address "
-            "blocked for guessing keys).",
+            "Requests refused 429, by the exhausted limit (requests, tokens, concurrency, budget: a spent token "
+            "budget, failed_auth: an address blocked for guessing keys).",
             ["limit"],
             registry=r,
         )
