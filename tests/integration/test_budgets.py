@@ -279,3 +279,25 @@ async def test_redis_down_budgets_fail_closed_or_open_as_the_limits_do() -> None
             await limiter.release(lease, 1000)
         finally:
             await client.aclose()
+
+
+async def test_an_unconfirmed_admission_is_refunded_its_budget_charge_only_if_it_ran(processes: Processes) -> None:
+    limiter = processes.limiter()
+    key = _key(daily=100)
+    await limiter.release(await limiter.acquire(key, 20), 20)  # 20 used for real
+
+    def lease(lease_id: str) -> Lease:
+        made = Lease(key_name=key.name, lease_id=lease_id, estimated_tokens=30, limits=limiter.effective_limits(key))
+        made.windows = limiter.budget_windows()
+        made.budget_charged = 30  # what the gateway assumes an admission it never saw answered charged
+        return made
+
+    ran, never_ran = lease("ran"), lease("never-ran")
+    assert ran.windows is not None
+    args: list[int | str] = [3_600_000, 0, 0, 0, 30, ran.lease_id, 30_000, 1000]
+    await limiter._admit(key.name, ran, args, [100, 0, ran.windows.day_left_ms, ran.windows.month_left_ms])
+    assert (await limiter.budget_usage(key.name)).day == 50
+    for unconfirmed in (ran, never_ran):
+        keys, release_args = limiter._release_call(unconfirmed, 0, served=False, unconfirmed=True)
+        await limiter._release(keys=keys, args=release_args)
+    assert (await limiter.budget_usage(key.name)).day == 20  # the admission that ran refunded, nothing else taken
