@@ -15,6 +15,7 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      │   ├─ RouteNotFoundError   404  invalid_request_error   code=unknown_url
      │   └─ ResponseNotFoundError 404                     code=response_not_found
      ├─ RateLimitError           429  rate_limit_error        code=rate_limit_exceeded, + Retry-After
+     │   └─ QuotaExceededError   429  insufficient_quota      code=insufficient_quota (a spent token budget)
      ├─ InternalError            500  internal_error
      └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
          ├─ EngineUnavailableError    503  code=engine_unavailable
@@ -214,6 +215,13 @@ class RateLimitError(_RetryableError):
         # limit: the exhausted one, for the metrics: requests, tokens, concurrency or failed_auth.
         super().__init__(message, retry_after=retry_after, param=param, headers=headers)
         self.cause = limit
+
+
+class QuotaExceededError(RateLimitError):
+    """A token budget of the key (daily or monthly) is spent; `Retry-After` is the end of its window."""
+
+    type = "insufficient_quota"
+    code = "insufficient_quota"
 
 
 class ServiceUnavailableError(_RetryableError):

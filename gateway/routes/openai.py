@@ -9,7 +9,6 @@ and answers with an ASGI app: the engine's whole answer, or for streams the SSE 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from fastapi import APIRouter, Request, Response
 from gateway.auth import ApiKey
 from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import RequestTooLargeError
+from gateway.ratelimit import Lease, RateLimiter, TokenDetail
 from gateway.relay.shapes import WireShape
 from gateway.requestlog import RequestRecord
 from gateway.types import ASGIApp
@@ -76,15 +76,9 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
     after = await api.after_admit(request, key, prepared, record) if api.after_admit is not None else None
     lease = None
     if key is not None:
-        lease = await services.limiter.acquire(key, prepared.tokens_estimate)
-    release = functools.partial(services.limiter.release, lease) if lease is not None else None
-
-    async def settle(used: int | None) -> None:
-        if release is not None:
-            await release(used)
-        if after is not None:
-            await after()
-
+        # Usage by API is kept under the route's API label (chat, responses, ...), so every relayed route counts.
+        lease = await services.limiter.acquire(key, prepared.tokens_estimate, record.api or api.path)
+    settle = _settle(services.limiter, lease, record, after) if lease is not None or after is not None else None
     return await services.relay.forward(
         api.path,
         prepared.body,
@@ -93,10 +87,26 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         stream=prepared.stream,
         strip_usage=not prepared.client_wants_usage,
         headers=lease.headers if lease is not None else {},
-        settle=settle if release is not None or after is not None else None,
+        settle=settle,
         shape=api.shape,
         engine_headers={name: value for name in api.passed_headers if (value := request.headers.get(name))},
     )
+
+
+def _settle(
+    limiter: RateLimiter, lease: Lease | None, record: RequestRecord, after: AfterSettle | None
+) -> Callable[[int | None], Awaitable[None]]:
+    """Release `lease` with the tokens the engine reported on `record` (read when the exchange ends), then run the
+    route's own step after settling."""
+
+    async def settle(used: int | None) -> None:
+        if lease is not None:
+            detail = TokenDetail(record.prompt_tokens, record.completion_tokens, record.reasoning_tokens)
+            await limiter.release(lease, used, detail)
+        if after is not None:
+            await after()
+
+    return settle
 
 
 @router.get("/v1/models")

@@ -25,6 +25,7 @@ from gateway.errors import (
     NotFoundError,
     OverloadedError,
     PermissionDeniedError,
+    QuotaExceededError,
     RateLimitError,
     RequestHeadTooLargeError,
     RequestTimeoutError,
@@ -52,6 +53,7 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     RouteNotFoundError: (404, "invalid_request_error", "unknown_url"),
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),
     RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),
+    QuotaExceededError: (429, "insufficient_quota", "insufficient_quota"),
     ServiceUnavailableError: (503, "service_unavailable", "service_unavailable"),
     EngineUnavailableError: (503, "service_unavailable", "engine_unavailable"),
     EngineRefusedError: (503, "service_unavailable", "engine_unavailable"),
@@ -63,6 +65,7 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     EngineTimeoutError: (504, "service_unavailable", "engine_timeout"),
 }
 RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
+    QuotaExceededError,
     RateLimitError,
     ServiceUnavailableError,
     EngineUnavailableError,
