@@ -238,12 +238,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserError as exc:
             reason = str(exc)[:100] or type(exc).__name__
             self._limits.malformed.event(reason)
-            self._close(MalformedRequestError(f"The request is not valid HTTP/1.1 ({reason}); fix it and resend."))
+            self._malformed(MalformedRequestError(f"The request is not valid HTTP/1.1 ({reason}); fix it and resend."))
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
+
+    def _malformed(self, error: MalformedRequestError) -> None:
+        cycle: RequestResponseCycle | None = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if not cycle.more_body:
+                # The bad bytes follow a complete request (pipelined): answer that one, then close.
+                self._done = True
+                cycle.keep_alive = False
+                self.flow.pause_reading()
+                return
+            if cycle.response_started:
+                self._close(None)  # never written into a response going out
+                return
+        self._close(error)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

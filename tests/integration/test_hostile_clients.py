@@ -302,6 +302,7 @@ MALFORMED = [
     b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n",
     b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03",  # TLS spoken to the plain-HTTP port
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",  # not a chunk size
 ]
 
 
@@ -324,6 +325,14 @@ def test_malformed_requests_get_a_400_envelope_and_a_throttled_log_line(gateway:
     assert "Invalid HTTP request received" not in log
     assert 1 <= log.count("malformed request") - warned_before <= 2, "malformed requests are logged throttled"
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+
+
+def test_bytes_that_are_not_http_after_a_request_let_that_request_be_answered(port: int) -> None:
+    with connect(port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + MALFORMED[0])
+        raw = read_all(sock)
+    assert status_and_body(raw)[0] == 200, raw[:300]
+    assert b"HTTP/1.1 400" not in raw and b"connection: close" in raw.lower(), raw[:500]
 
 
 # --- a flood of connections ---------------------------------------------------------------------------
