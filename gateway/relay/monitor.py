@@ -261,8 +261,8 @@ class EngineMonitor:
 
     def _follow(self) -> None:
         """Act on the shared verdict in this worker: end its exchanges once the engine is found stuck, forget the
-        model while it is down (it may come back as another), log a change (the prober only: one line per
-        gateway), set the gauge."""
+        model while it is down (it may come back as another) and learn it once it is up, log a change (the prober
+        only: one line per gateway), set the gauge (the gateway's verdict, as in every worker)."""
         shared = self._shared
         verdict = shared.verdict()
         if verdict.stuck and shared.stuck_since != self._ended_for:
@@ -272,6 +272,9 @@ class EngineMonitor:
                 logger.warning("engine not generating: %d request(s) in flight ended", ended)
         if verdict.down is not None:
             self.model = None
+        elif self._model_epoch != verdict.epoch and self._catching_up is None and not verdict.stuck:
+            # The prober found it ready: learn the model now rather than on the first request that reaches us.
+            self._catching_up = asyncio.ensure_future(self._catch_up())
         reason = verdict.reason
         if reason != self._published:
             level = logging.INFO if reason is None else logging.WARNING
