@@ -33,30 +33,33 @@ def groups(root: int) -> dict[str, list[int]]:
     return found
 
 
-def _total(pids: list[int]) -> float:
-    seconds = 0.0
+def _spent(pids: list[int]) -> dict[int, float]:
+    spent = {}
     for pid in pids:
         try:
             user, system = cpu_seconds(pid)
         except OSError:
             continue  # gone meanwhile
-        seconds += user + system
-    return seconds
+        spent[pid] = user + system
+    return spent
 
 
 def measure(root: int, seconds: float) -> dict[str, object]:
-    """Each group's CPU over `seconds`, as a percentage of one core, with its process count."""
+    """Each group's CPU over `seconds`, as a percentage of one core, with its process count, and each busy
+    process's share (`by_process`: command line and percentage, the busiest first)."""
     found = groups(root)
-    before = {name: _total(pids) for name, pids in found.items()}
+    every = [pid for pids in found.values() for pid in pids]
+    before = _spent(every)
     started = time.monotonic()
     time.sleep(seconds)
     wall = time.monotonic() - started
+    after = _spent(every)
+    share = {pid: 100 * (after[pid] - before[pid]) / wall for pid in after if pid in before}
     result: dict[str, object] = {"seconds": round(wall, 1)}
     for name, pids in found.items():
-        result[name] = {
-            "processes": len(pids),
-            "core_percent": round(100 * (_total(pids) - before[name]) / wall, 2),
-        }
+        result[name] = {"processes": len(pids), "core_percent": round(sum(share.get(pid, 0.0) for pid in pids), 2)}
+    busy = sorted((pid for pid in share if share[pid] > 0), key=lambda pid: -share[pid])
+    result["by_process"] = [[pid, command_line(pid)[:80].strip(), round(share[pid], 2)] for pid in busy]
     return result
 
 

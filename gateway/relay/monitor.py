@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 NOT_GENERATING = "engine not generating"
 MODEL_UNKNOWN = "model unknown"
 CONFIRM_WAIT = 0.5  # seconds a request waits for this worker to learn the model the prober found
+_FIRST_VERDICT_POLL = 0.05  # seconds between two looks at the shared record while a starting worker waits
 
 
 class EngineMonitor:
@@ -84,9 +85,14 @@ class EngineMonitor:
         self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self.check)
 
     async def start(self) -> None:
-        """Take the probe turn and probe once now when no other worker holds it, or learn what the prober found;
-        then keep doing so in the background."""
+        """Take the probe turn and probe once now when no other worker holds it, or wait (a bounded time) for the
+        first verdict of the one that does and learn what it found; then keep doing so in the background. So the
+        first requests a worker serves know the engine's state, as they would had it probed itself."""
         await self.check()
+        deadline = time.monotonic() + 2 * self._relay.probe_timeout + CONFIRM_WAIT
+        while not self._shared.verdict().probed and time.monotonic() < deadline:
+            await asyncio.sleep(_FIRST_VERDICT_POLL)
+            await self.check()  # takes the turn over should its holder have stopped
         await self.confirmed_reason()
         self._task.start()
 

@@ -71,6 +71,7 @@ class Verdict:
     down: str | None  # why it is down (refused, non-200 /health, model unknown to the prober), or None
     stuck: bool  # a generation probe failed and no progress was seen since it started
     epoch: int
+    probed: bool  # some worker has published a verdict since the gateway started
 
     @property
     def reason(self) -> str | None:
@@ -108,10 +109,12 @@ class SharedEngineState:
     def verdict(self) -> Verdict:
         """The engine's state as every worker sees it."""
         stuck_since = self._get("d", _STUCK_SINCE)
+        health = int(self._get("q", _HEALTH))
         return Verdict(
-            down=_describe(int(self._get("q", _HEALTH))),
+            down=_describe(health),
             stuck=stuck_since > 0.0 and self.last_progress < stuck_since,
             epoch=int(self._get("q", _EPOCH)),
+            probed=health != NOT_PROBED,
         )
 
     @property

@@ -132,7 +132,8 @@ def test_a_stop_signal_to_the_pool_turns_every_worker_not_ready_at_once(
             loader.join(timeout=30)
     late = [(round(asked, 3), status) for asked, status in answers if asked >= 0.1 and status not in (503, None)]
     assert late == [], "asked 100 ms or more after the stop signal, a worker still said ready"
-    assert proc.stop(timeout=60) == 0
+    wait_until(lambda: not proc.running, timeout=60, message="the gateway did not stop after one SIGTERM")
+    assert proc.stop() == 0
 
 
 @pytest.mark.parametrize(("log_probes", "logged"), [(None, False), ("true", True)])
