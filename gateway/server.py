@@ -12,7 +12,6 @@ errors.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import http
 import json
@@ -47,8 +46,6 @@ _REFUSAL_LINGER = 1.0
 # A connection idle when the gateway starts draining stays open this long for a request the client may be
 # sending at that very moment, which is then answered with `Connection: close` (issue 10).
 _DRAIN_IDLE = 1.0
-# uvicorn's on_tick refreshes the Date header when its tick counter is a multiple of this (uvicorn ticks at 10 Hz).
-_TICKS_PER_SECOND = 10
 # uvicorn's default listen backlog, for the workers' shared socket as for its own.
 _BACKLOG = 2048
 
@@ -327,32 +324,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 class DrainingServer(uvicorn.Server):
     """uvicorn's Server that marks the app as draining the moment a stop signal arrives, so /ready answers 503
     to whoever still asks on an open connection; uvicorn then closes the listening socket and lets open
-    requests finish within `timeout_graceful_shutdown`.
-
-    Its main loop wakes once a second (the Date header's resolution), or at once on a stop signal, where
-    uvicorn's polls for the signal ten times a second: in a pool of idle workers that polling was most of
-    what they cost."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_signalled = asyncio.Event()
-
-    async def main_loop(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        counter = 0
-        while not await self.on_tick(counter):
-            counter = (counter + _TICKS_PER_SECOND) % 864000  # every tick refreshes the Date header
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop_signalled.wait(), 1.0)
+    requests finish within `timeout_graceful_shutdown`."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler only records (the loop acts): one attribute set, read by the /ready route.
         app: Any = self.config.app  # the FastAPI app `serve` built; uvicorn types it as any ASGI app
         app.state.readiness.draining = True
         super().handle_exit(sig, frame)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop_signalled.set)  # wakes the loop from its wait
 
 
 def listening_sockets() -> list[socket.socket] | None:

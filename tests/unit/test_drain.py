@@ -6,7 +6,6 @@ so the only thing that can make it answer 503 is the drain.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,29 +59,3 @@ async def test_a_stop_signal_turns_ready_into_503_draining() -> None:
     assert server.should_exit
     status, body = await _ready(app)
     assert (status, body) == (503, {"status": "draining", "draining": True, **_OK})
-
-
-async def test_the_idle_main_loop_wakes_once_a_second_and_at_once_on_a_stop_signal() -> None:
-    # uvicorn's own loop wakes ten times a second to look for a stop signal: 16 idle workers spent most of
-    # their CPU on it.
-    settings = Settings()
-    server = DrainingServer(ServerConfig(create_app(settings), limits=ClientLimits.from_settings(settings)))
-    server.config.load()
-    ticks = 0
-    on_tick = server.on_tick
-
-    async def counted(counter: int) -> bool:
-        nonlocal ticks
-        ticks += 1
-        return await on_tick(counter)
-
-    server.on_tick = counted  # type: ignore[method-assign]
-    loop = asyncio.get_running_loop()
-    running = asyncio.ensure_future(server.main_loop())
-    await asyncio.sleep(2.5)
-    signalled = loop.time()
-    server.handle_exit(signal.SIGTERM, None)
-    await asyncio.wait_for(running, 5)
-    assert ticks <= 5, f"{ticks} wake-ups in 2.5 s"
-    assert loop.time() - signalled < 0.5, "the stop signal waited for the next tick"
-    assert server.server_state.default_headers, "the Date header is refreshed on every tick"
