@@ -9,8 +9,11 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import zoneinfo
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +22,8 @@ DEFAULT_SYSTEM_MESSAGE = "You are a helpful assistant."
 ENV_PREFIX = "NEMOTRON_"
 # Variables of the test suite, not of the gateway (tests/conftest.py reads them).
 _TEST_PREFIX = "NEMOTRON_TEST_"
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +109,11 @@ class RedisSettings(_Group):
         "take in all, its one retry on a fresh connection after a connection error included; past it the "
         "request gets 503 (or is admitted, where `fail_open` says so). The single deadline of every Redis call.",
     )
+    sentinel_password: SecretStr | None = Field(
+        None,
+        description="Password of the Sentinels themselves (`requirepass` in sentinel.conf), with a "
+        "`redis+sentinel://` URL; the URL's own password is the master's.",
+    )
 
 
 class AuthSettings(_Group):
@@ -145,6 +155,11 @@ class AuthSettings(_Group):
     failed_auth_block: float = Field(
         300.0, gt=0, description="Seconds a blocked client address is answered 429 without its key being checked."
     )
+    audit_max_entries: int = Field(
+        100_000,
+        ge=100,
+        description="Most entries kept in the audit trail of key changes (a Redis stream, trimmed approximately).",
+    )
 
 
 class RateLimitSettings(_Group):
@@ -176,11 +191,37 @@ class RateLimitSettings(_Group):
         10.0, gt=0, description="Seconds between renewals of this process's live slots; must be below `lease_ttl`."
     )
     fail_open: bool = Field(
-        False, description="While Redis is down, admit requests without limits (default: fail closed, 503)."
+        False,
+        description="While Redis is down, admit requests without limits or token budgets, uncharged (default: fail "
+        "closed, 503).",
     )
     usage_retention_days: int = Field(
-        90, ge=1, description="Days the per-key daily usage counters (requests, tokens) are kept in Redis."
+        400,
+        ge=1,
+        description="Days the per-key daily usage counters (requests and tokens by API, for billing) are kept in "
+        "Redis.",
     )
+    # Token budgets (per key, daily and monthly): their windows and what a key without its own budget gets.
+    budget_timezone: str = Field(
+        "UTC",
+        description="IANA time zone whose midnights start the daily and monthly token budget windows (e.g. "
+        "`Europe/Berlin`); usage for billing is always by UTC day.",
+    )
+    daily_tokens: int | None = Field(
+        None, ge=1, description="Default daily token budget for keys without their own (unset: unlimited)."
+    )
+    monthly_tokens: int | None = Field(
+        None, ge=1, description="Default monthly token budget for keys without their own (unset: unlimited)."
+    )
+
+    @field_validator("budget_timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        try:
+            zoneinfo.ZoneInfo(value)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {value!r}: use an IANA name such as UTC or Europe/Berlin") from None
+        return value
 
     @model_validator(mode="after")
     def _renew_before_expiry(self) -> RateLimitSettings:
@@ -248,6 +289,16 @@ class EngineSettings(_Group):
     )
     log_lines: int = Field(200, ge=10, description="Engine output lines kept to show when start-up fails.")
     run_doctor: bool = Field(True, description="Run the fatal preflight checks before spawning the engine.")
+    responses_store: bool = Field(
+        False,
+        description="Keep Responses API answers in the engine (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, which the "
+        "supervisor sets from this): `previous_response_id`, `background`, GET and cancel of /v1/responses/{id} "
+        "work, each only for the key that created the response. In the engine's memory, never evicted, lost when "
+        "it restarts. The gateway reads the same setting.",
+    )
+    responses_store_ttl: float = Field(
+        86400.0, gt=0, description="Seconds the gateway remembers which key created a stored response."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -333,6 +384,8 @@ class Settings(BaseSettings):
         frozen=True,
         extra="forbid",
         env_file=None,
+        # A bad value is named, never echoed: the Redis URL and the secrets may carry passwords.
+        hide_input_in_errors=True,
     )
 
     host: str = Field("127.0.0.1", description="Address the gateway listens on (behind nginx: keep 127.0.0.1).")
@@ -345,7 +398,10 @@ class Settings(BaseSettings):
     )
     redis_url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"),
-        description="Redis holding keys and limit counters (may carry a password, so it is never logged).",
+        description="Redis holding keys and limit counters (may carry a password, so it is never logged): "
+        "`redis://[:password@]host:6379/0`, `rediss://` for TLS, or Sentinel's "
+        "`redis+sentinel://[:password@]host1:26379,host2:26379,host3:26379/mymaster/0` (the master's name, "
+        "then the db), whose master is asked of the Sentinels and followed through a failover.",
     )
     model_name: str | None = Field(
         None, description="The served model name clients must send; learned from the engine's /v1/models when unset."
@@ -369,6 +425,14 @@ class Settings(BaseSettings):
         ge=1,
         description="Most chat messages (or prompts in a batch) one request may carry; checked before the costly "
         'per-message checks: on the raw body (its "role" keys) before it is even parsed, and exactly after.',
+    )
+    max_list_entries: int = Field(
+        8192,
+        ge=1,
+        description="Most entries the other lists one request carries may hold together (content parts, tool "
+        "calls, tools, stop strings, logit_bias entries); checked before the costly per-entry checks: on the raw "
+        'body (its "type" keys, which JSON-schema nodes inside tools also have) before it is parsed, and exactly '
+        "after.",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Write one access-log line per request.")
@@ -405,6 +469,12 @@ class Settings(BaseSettings):
     http: HttpSettings = Field(default_factory=HttpSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: SecretStr) -> SecretStr:
+        parse_redis_url(value.get_secret_value())  # a ValueError that never quotes the password
+        return value
+
     @field_validator("engine_url")
     @classmethod
     def _strip_trailing_slash(cls, value: str) -> str:
@@ -415,6 +485,78 @@ class Settings(BaseSettings):
     def masked(self) -> dict[str, Any]:
         """The effective configuration for the start-up log line, secrets masked."""
         return self.model_dump(mode="json")
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelAddress:
+    """Where a `redis+sentinel://` URL says Redis is: the Sentinels to ask, the master's name, the db and the
+    master's credentials (the password is a secret: its repr is masked)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: SecretStr | None = None
+
+
+def parse_redis_url(url: str) -> SentinelAddress | None:
+    """The Sentinel address of a `redis+sentinel://` URL; None for any other URL (redis-py reads those).
+
+    `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]`, the password and user
+    percent-encoded, IPv6 hosts in brackets, the port 26379 when left out. A ValueError says what is wrong
+    without quoting the password.
+    """
+    scheme, separator, rest = url.partition("://")
+    if not separator or scheme.lower() != SENTINEL_SCHEME:
+        return None
+    netloc, _, path = rest.partition("/")
+    if "?" in path or "#" in path or "?" in netloc:
+        raise ValueError(
+            "a redis+sentinel:// URL takes no query or fragment (the Sentinels' password is "
+            "NEMOTRON_REDIS__SENTINEL_PASSWORD)"
+        )
+    credentials, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = credentials.partition(":")
+        username = unquote(user) or None
+        password = SecretStr(unquote(secret)) if colon and secret else None
+    sentinels = tuple(_sentinel_host(entry) for entry in hosts.split(","))
+    parts = path.split("/") if path else []
+    if not parts or not parts[0]:
+        raise ValueError("a redis+sentinel:// URL names the master after the hosts: .../mymaster/0")
+    if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError("a redis+sentinel:// URL ends with /<master name>[/<db number>]")
+    db = int(parts[1]) if len(parts) == 2 else 0
+    return SentinelAddress(sentinels, unquote(parts[0]), db, username, password)
+
+
+def _sentinel_host(entry: str) -> tuple[str, int]:
+    if entry.startswith("["):
+        host, bracket, port_text = entry[1:].partition("]")
+        if not bracket or (port_text and not port_text.startswith(":")):
+            raise ValueError("a redis+sentinel:// IPv6 host is written [address]:port")
+        port_text = port_text[1:]
+    else:
+        host, _, port_text = entry.partition(":")
+    if not host:
+        raise ValueError("a redis+sentinel:// URL lists its Sentinels as host:port,host:port (one is empty)")
+    if not port_text:
+        return host, SENTINEL_PORT
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"a redis+sentinel:// URL has a bad port for Sentinel {host}: {port_text!r}")
+    return host, int(port_text)
+
+
+def masked_redis_url(url: str) -> str:
+    """The Redis URL with any password replaced by *** (for logs, the doctor and error messages)."""
+    scheme, separator, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    credentials, at, hosts = netloc.rpartition("@")
+    if not separator or not at or ":" not in credentials:
+        return url
+    user = credentials.partition(":")[0]
+    return f"{scheme}://{user}:***@{hosts}{slash}{path}"
 
 
 def setting_names() -> list[str]:
