@@ -37,7 +37,7 @@ from gateway.errors import (
     RequestTimeoutError,
 )
 from gateway.multiproc import forget_worker
-from gateway.relay.shared import engine_seen_ready
+from gateway.relay.shared import SharedEngineState
 from gateway.relay.sse import BODY_WRITER
 from gateway.settings import Settings, inherited_listen_fd
 from gateway.workers import STARTUP_FAILURE, WorkerPool, usable_cores
@@ -403,10 +403,18 @@ def serve(settings: Settings) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return STARTUP_FAILURE
-    target = functools.partial(serve_socket, settings, limits)
-    engine_seen_ready()  # made before the fork: the workers share it (see gateway/relay/shared.py)
+    # Made before the fork, so the workers share one view of the engine (see gateway/relay/shared.py).
+    shared = SharedEngineState()
+    target = functools.partial(serve_socket, settings, limits, shared=shared)
     # A dead worker's in-flight gauge must not stay in the sum the others' scrapes report.
-    pool = WorkerPool(workers, target, sock, drain=settings.shutdown_grace, on_exit=forget_worker)
+    pool = WorkerPool(
+        workers,
+        target,
+        sock,
+        drain=settings.shutdown_grace,
+        on_exit=forget_worker,
+        on_stop=shared.mark_draining,
+    )
     return pool.run()
 
 
@@ -425,10 +433,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_socket(settings: Settings, limits: ClientLimits, sock: socket.socket | None) -> int:
-    """Build the app and run it under uvicorn, on `sock` or (None) on a socket of its own; the exit code."""
+def serve_socket(
+    settings: Settings, limits: ClientLimits, sock: socket.socket | None, shared: SharedEngineState | None = None
+) -> int:
+    """Build the app and run it under uvicorn, on `sock` or (None) on a socket of its own; the exit code. `shared`:
+    the engine view of the pool this worker belongs to."""
     config = ServerConfig(
-        create_app(settings),
+        create_app(settings, shared),
         limits=limits,
         host=settings.host,
         port=settings.port,

@@ -286,13 +286,13 @@ def test_forwarded_for_from_a_trusted_proxy_is_believed_only_when_it_is_an_addre
 ) -> None:
     marker = "xff-" + str(time.monotonic_ns())
     response = httpx.get(
-        f"http://127.0.0.1:{port}/health",
+        f"http://127.0.0.1:{port}/v1/models",  # /health would not be access-logged (probes are not, by default)
         headers={"X-Forwarded-For": forwarded, "X-Request-ID": marker},
         timeout=10,
     )
     assert response.status_code == 200
     line = wait_until(lambda: access_lines(gateway, marker), timeout=10)[0]
-    assert re.search(rf"gateway\.access: {re.escape(logged)} \"GET /health\"", line), line
+    assert re.search(rf"gateway\.access: {re.escape(logged)} \"GET /v1/models\"", line), line
 
 
 # --- malformed requests ------------------------------------------------------------------------------------
