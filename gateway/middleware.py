@@ -130,22 +130,37 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["record"] = record
         id_header = (b"x-request-id", record.request_id.encode())
         status = 500
+        finished = False
+
+        def finish() -> None:
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            self.metrics.in_flight.dec()
+            self._finish(
+                scope,
+                record,
+                CLIENT_CLOSED_REQUEST if record.client_disconnected else status,
+                time.perf_counter() - started,
+            )
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", ()), id_header]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                # Counted before the last byte goes out: a client that has its whole answer and then scrapes
+                # /metrics (of this worker or another one) finds the request counted and no longer in flight.
+                finish()
             await send(message)
 
         self.metrics.in_flight.inc()
         try:
             await self.app(scope, _bounded_body(receive, self.http), send_with_id)
         finally:
-            self.metrics.in_flight.dec()
-            if record.client_disconnected:
-                status = CLIENT_CLOSED_REQUEST
-            self._finish(scope, record, status, time.perf_counter() - started)
+            finish()  # an answer that never got its last byte out (an error, a client gone)
 
     def _finish(self, scope: Scope, record: RequestRecord, status: int, duration: float) -> None:
         path = scope["path"]

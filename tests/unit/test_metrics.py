@@ -26,6 +26,7 @@ from gateway.redis_client import RedisCalls
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import HttpSettings, MetricsSettings, RedisSettings, Settings
 from gateway.supervisor.state import EngineState, EngineStatus, RestartCause, RestartRecord
+from gateway.types import Message, Send
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -194,6 +195,34 @@ def test_json_access_line(caplog: pytest.LogCaptureFixture) -> None:
     assert "\n" not in caplog.records[-1].getMessage()  # a client's newline cannot start a forged line
     # The stream's inter-token latency: (1.25 - 0.25) s over 10 gaps.
     assert metrics.registry.get_sample_value("nemotron_gateway_inter_token_latency_seconds_sum") == pytest.approx(0.1)
+
+
+async def test_an_answer_is_counted_before_its_last_byte_goes_out() -> None:
+    # A client with its whole answer that scrapes /metrics next (maybe another worker's) must find it counted.
+    metrics = GatewayMetrics()
+    sample = metrics.registry.get_sample_value
+    ok = {"route": "/v1/completions", "status": "200"}
+
+    async def answer(scope: object, receive: object, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{", "more_body": True})
+        await send({"type": "http.response.body", "body": b"}", "more_body": False})
+
+    seen: list[tuple[float | None, float | None]] = []
+
+    async def wire(message: Message) -> None:
+        seen.append((sample("nemotron_gateway_requests_total", ok), sample("nemotron_gateway_requests_in_flight")))
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    middleware = RequestContextMiddleware(
+        answer, metrics, routes=frozenset({"/v1/completions"}), http=HttpSettings(), access_log=False
+    )
+    await middleware({"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}, receive, wire)
+    # In flight and not yet counted while the answer streams; counted, and no longer in flight, at its last byte.
+    assert seen == [(None, 1.0), (None, 1.0), (1.0, 0.0)]
+    assert sample("nemotron_gateway_requests_total", ok) == 1  # once, not again when the app returns
 
 
 def test_refusals_are_counted_by_limit_and_cause() -> None:
