@@ -6,12 +6,15 @@ so the only thing that can make it answer 503 is the drain.
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import pytest
+import uvicorn
 from fastapi import FastAPI
 from starlette.requests import Request
 
@@ -59,3 +62,29 @@ async def test_a_stop_signal_turns_ready_into_503_draining() -> None:
     assert server.should_exit
     status, body = await _ready(app)
     assert (status, body) == (503, {"status": "draining", "draining": True, **_OK})
+
+
+async def test_the_idle_server_loop_ticks_once_a_second_and_a_stop_signal_ends_it_at_once() -> None:
+    settings = Settings()
+    server = DrainingServer(ServerConfig(create_app(settings), limits=ClientLimits.from_settings(settings)))
+    ticks = 0
+    tick = server.on_tick
+
+    async def counted(counter: int) -> bool:
+        nonlocal ticks
+        ticks += 1
+        return await tick(counter)
+
+    server.on_tick = counted  # type: ignore[method-assign]  # counting what the loop does while idle
+    server.config.load()  # what uvicorn's startup does first: on_tick reads the encoded headers
+    server.server_state = uvicorn.server.ServerState()
+    loop_task = asyncio.create_task(server.main_loop())
+    await asyncio.sleep(1.5)
+    # uvicorn's own loop ticks ten times a second (16 here); this one once a second, for the Date header.
+    assert 1 <= ticks <= 3, ticks
+    assert server.server_state.default_headers[0][0] == b"date"
+    stopped_at = time.monotonic()
+    server.handle_exit(signal.SIGTERM, None)
+    await asyncio.wait_for(loop_task, 5)
+    # At once, not at the next tick (a second away at most): the signal wakes the loop.
+    assert time.monotonic() - stopped_at < 0.5
