@@ -401,6 +401,25 @@ async def test_an_admission_its_release_overtook_is_not_admitted(
         await proxy.stop()
 
 
+# --- a listener's long read still notices a lost connection at once ---
+
+
+async def test_a_listener_notices_redis_gone_at_once_though_its_reads_wait_long(
+    private_redis: PrivateRedis, client: redis_asyncio.Redis
+) -> None:
+    store = KeyStore(client, _settings(private_redis.url))
+    await store.start()
+    try:
+        await async_wait_until(lambda: store.subscribed, within=10)
+        private_redis.signal(signal.SIGKILL)
+        # The listener's read waits up to 10 s for a message; a closed connection ends it at once.
+        await async_wait_until(lambda: not store.subscribed, within=2)
+        await private_redis.restart()
+        await async_wait_until(lambda: store.subscribed, within=10)  # back within its backoff (5 s at most)
+    finally:
+        await store.stop()
+
+
 # --- shutdown with Redis gone returns in bounded time ---
 
 
