@@ -36,6 +36,11 @@ _READY_POLL = 0.5
 _PROGRESS_EVERY = 10.0
 # Seconds a condemned engine gets to show that it has in fact exited (its reaper reports within ~0.1 s).
 _EXIT_GRACE = 1.0
+# Seconds between two samples of the group's /dev/shm files while the engine runs. They are for when the whole
+# group dies, reaper included (the reaper sees each file appear and samples it itself); vLLM makes its files while
+# it starts (sampled on every start-up poll and when ready) and keeps them. A sample reads all of /proc and the
+# engine's memory maps: a few ms that every liveness check (5 s) used to pay on an idle engine.
+_SHM_SAMPLE_EVERY = 30.0
 
 
 class EngineSupervisor:
@@ -170,13 +175,15 @@ class EngineSupervisor:
         stop: asyncio.Future[Any] = asyncio.ensure_future(self.should_exit.wait())
         check: asyncio.Future[Any] | None = None
         self.process.sample_shared_memory()
+        sample_at = time.monotonic() + _SHM_SAMPLE_EVERY
         try:
             while True:
                 done, _ = await asyncio.wait(
                     (exited, stop), timeout=self.settings.health_interval, return_when=asyncio.FIRST_COMPLETED
                 )
-                if not done:
+                if not done and time.monotonic() >= sample_at:
                     self.process.sample_shared_memory()
+                    sample_at = time.monotonic() + _SHM_SAMPLE_EVERY
                 # The check races the exit and the stop: a probe waiting on a frozen engine must not delay either.
                 check = asyncio.ensure_future(liveness.check()) if not done else None
                 if check is not None:
