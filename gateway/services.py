@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from gateway.auth import KeyStore
 from gateway.exposition import Exposition
 from gateway.metrics import GatewayMetrics
-from gateway.ratelimit import FailedAuthGuard, RedisRateLimiter
+from gateway.ratelimit import EngineAdmission, FailedAuthGuard, RedisRateLimiter
 from gateway.redis_client import connect_redis
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
@@ -37,6 +37,7 @@ class Services:
     redis: redis_asyncio.Redis
     keys: KeyStore
     limiter: RedisRateLimiter
+    admission: EngineAdmission
     guard: FailedAuthGuard
     exposition: Exposition
 
@@ -45,8 +46,10 @@ class Services:
         """Construct (nothing is connected until `start`)."""
         engine = EngineClient(settings)
         activity = EngineActivity()
-        monitor = EngineMonitor(engine, settings, metrics, activity)
         redis = connect_redis(settings)
+        admission = EngineAdmission(redis, settings, metrics)
+        observer = admission.observe if admission.enabled else None
+        monitor = EngineMonitor(engine, settings, metrics, activity, load_observer=observer)
         return cls(
             settings=settings,
             metrics=metrics,
@@ -56,6 +59,7 @@ class Services:
             redis=redis,
             keys=KeyStore(redis, settings, metrics),
             limiter=RedisRateLimiter(redis, settings, metrics),
+            admission=admission,
             guard=FailedAuthGuard(redis, settings, metrics),
             exposition=Exposition(settings, metrics),
         )

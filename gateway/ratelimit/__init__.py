@@ -1,5 +1,7 @@
-"""Per-key requests/min, tokens/min and concurrency, held across processes in Redis; the failed-auth guard."""
+"""Per-key requests/min, tokens/min and concurrency, held across processes in Redis; the failed-auth guard;
+admission before the engine's queue."""
 
+from gateway.ratelimit.admission import EngineAdmission
 from gateway.ratelimit.guard import FailedAuthGuard
 from gateway.ratelimit.limiter import (
     EffectiveLimits,
@@ -12,6 +14,7 @@ from gateway.ratelimit.redis import RedisRateLimiter, Usage
 
 __all__ = [
     "EffectiveLimits",
+    "EngineAdmission",
     "FailedAuthGuard",
     "Lease",
     "LimitedKey",

@@ -19,8 +19,11 @@ request is served by any of them, a monitor that last saw the engine down, and l
 (`confirmed_reason`): one probe, shared by the callers that arrive meanwhile, waited on for at most
 `CONFIRM_WAIT` (a refused connection or a /health answer take milliseconds; a port that accepts and
 never answers must not hold requests). Without that word, a refusal costs the engine nothing.
-Imports settings, errors, metrics, the background-task helper and the relay's client, activity, model
-and shared modules.
+Each periodic probe of a ready engine also reads the scheduling policy its supervisor launched it with
+(`engine.json`: `priority` is sent only to a "priority" engine) and hands the engine's /metrics to the
+load observer (admission), so no second poller runs.
+Imports settings, errors, metrics, the background-task helper, the supervisor's status record (a leaf) and
+the relay's client, activity, model and shared modules.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from gateway.background import BackgroundTask
 from gateway.errors import EngineCredentialsError, EngineRefusedError, EngineUnavailableError, GatewayError
@@ -38,6 +42,9 @@ from gateway.relay.client import EngineClient
 from gateway.relay.model import ModelInfo
 from gateway.relay.shared import SharedInstant, engine_seen_ready
 from gateway.settings import Settings
+from gateway.supervisor.state import PRIORITY, STATUS_FILE, launched_policy
+
+LoadObserver = Callable[[Callable[[], Awaitable[str]]], Awaitable[None]]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,7 @@ class EngineMonitor:
         metrics: GatewayMetrics,
         activity: EngineActivity,
         seen_ready: SharedInstant | None = None,
+        load_observer: LoadObserver | None = None,
     ) -> None:
         self._client = client
         self._settings = settings
@@ -75,12 +83,35 @@ class EngineMonitor:
         self._published: str | None = "not probed yet"
         self._check_running: asyncio.Future[str | None] | None = None
         self.model: ModelInfo | None = None
-        self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self.check)
+        # Whether the engine schedules by priority (its launcher's word; False when unknown: vLLM under FCFS
+        # may refuse a non-zero `priority`).
+        self.priority_scheduling = False
+        self._status_file = settings.engine.state_dir / STATUS_FILE
+        self._load_observer = load_observer
+        self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self._periodic)
 
     async def start(self) -> None:
         """Probe once now (so the first requests know), then keep probing in the background."""
-        await self.check()
+        await self._periodic()
         self._task.start()
+
+    async def _periodic(self) -> None:
+        """The interval's work: probe; once ready, learn the scheduling policy and let admission read the load."""
+        if await self.check() is not None:
+            return
+        # Each time, not only when the engine comes up: a restart quicker than a probe is never seen down.
+        await self._learn_policy()
+        if self._load_observer is not None:
+            await self._load_observer(self._scrape)
+
+    async def _learn_policy(self) -> None:
+        policy = await asyncio.to_thread(launched_policy, self._status_file)
+        if (policy == PRIORITY) != self.priority_scheduling:
+            logger.info("engine scheduling policy: %s", policy)
+            self.priority_scheduling = policy == PRIORITY
+
+    async def _scrape(self) -> str:
+        return await self._client.metrics_text(self._relay.probe_timeout)
 
     async def stop(self) -> None:
         """Stop probing."""
@@ -142,6 +173,7 @@ class EngineMonitor:
             self._health_reason = await self._probe_health()
             if self._health_reason is None and self.model is None:
                 self._health_reason = await self._learn_model()
+                await self._learn_policy()
             if self._health_reason is not None:
                 self._seen_down_at = started
             self._judge_liveness()

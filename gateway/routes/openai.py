@@ -13,10 +13,13 @@ import functools
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from gateway.auth import ApiKey
 from gateway.deps import get_record, get_services, require_api_key
-from gateway.errors import RequestTooLargeError
+from gateway.errors import GatewayError, RequestTooLargeError
+from gateway.ratelimit import Lease
+from gateway.services import Services
 from gateway.types import ASGIApp
-from gateway.validation import Prepare, prepare_chat, prepare_completion
+from gateway.validation import Prepare, PreparedRequest, effective_priority, prepare_chat, prepare_completion
 
 router = APIRouter()
 
@@ -50,9 +53,10 @@ async def _relay(request: Request, path: str, prepare: Prepare) -> ASGIApp:
     if key is not None:
         services.keys.check_model(key, prepared.model)
         lease = await services.limiter.acquire(key, prepared.tokens_estimate)
+    body = await _admit(services, key, prepared, lease)
     return await services.relay.forward(
         path,
-        prepared.body,
+        body,
         record,
         request.receive,
         stream=prepared.stream,
@@ -60,6 +64,25 @@ async def _relay(request: Request, path: str, prepare: Prepare) -> ASGIApp:
         headers=lease.headers if lease is not None else {},
         settle=functools.partial(services.limiter.release, lease) if lease is not None else None,
     )
+
+
+async def _admit(services: Services, key: ApiKey | None, prepared: PreparedRequest, lease: Lease | None) -> bytes:
+    """Admit the request at its priority against the engine's queue (its key's lease refunded when refused); the
+    body for the engine, with `priority` only for an engine that schedules by it."""
+    priority = effective_priority(
+        key.priority if key is not None else None,
+        services.settings.limits.default_priority,
+        prepared.requested_priority,
+    )
+    try:
+        await services.admission.admit(priority)
+    except GatewayError:
+        if lease is not None:
+            await services.limiter.release(lease, 0)
+        raise
+    scheduling = services.monitor.priority_scheduling
+    services.admission.count_sent(priority, sent=scheduling)
+    return prepared.engine_body(priority if scheduling else None)
 
 
 async def chat_completions(request: Request) -> ASGIApp:

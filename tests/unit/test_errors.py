@@ -10,9 +10,11 @@ import pytest
 from gateway import errors
 from gateway.errors import (
     AuthenticationError,
+    EngineBusyError,
     EngineConnectionLostError,
     EngineCredentialsError,
     EngineProtocolError,
+    EngineQueueFullError,
     EngineRefusedError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -50,6 +52,8 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     NotFoundError: (404, "invalid_request_error", "model_not_found"),
     RouteNotFoundError: (404, "invalid_request_error", "unknown_url"),
     RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),
+    EngineQueueFullError: (429, "rate_limit_error", "engine_queue_full"),
+    EngineBusyError: (503, "service_unavailable", "engine_busy"),
     ServiceUnavailableError: (503, "service_unavailable", "service_unavailable"),
     EngineUnavailableError: (503, "service_unavailable", "engine_unavailable"),
     EngineRefusedError: (503, "service_unavailable", "engine_unavailable"),
@@ -62,6 +66,8 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
 }
 RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
     RateLimitError,
+    EngineQueueFullError,
+    EngineBusyError,
     ServiceUnavailableError,
     EngineUnavailableError,
     EngineRefusedError,
