@@ -99,8 +99,8 @@ class GatewayMetrics:
         )
         self.rate_limited = Counter(
             "nemotron_gateway_rate_limited",
-            "Requests refused 429, by the exhausted limit (requests, tokens, concurrency, failed_auth: an address "
-            "blocked for guessing keys).",
+            "Requests refused 429, by the exhausted limit (requests, tokens, concurrency, engine_queue: a priority "
+            "tier's bound on the engine's queue, failed_auth: an address blocked for guessing keys).",
             ["limit"],
             registry=r,
         )

@@ -48,8 +48,7 @@ class Services:
         activity = EngineActivity()
         redis = connect_redis(settings)
         admission = EngineAdmission(redis, settings, metrics)
-        observer = admission.observe if admission.enabled else None
-        monitor = EngineMonitor(engine, settings, metrics, activity, load_observer=observer)
+        monitor = EngineMonitor(engine, settings, metrics, activity, load_observer=admission.observe)
         return cls(
             settings=settings,
             metrics=metrics,

@@ -165,7 +165,15 @@ class EngineAdmission:
         self._redis = redis
         self._last: tuple[float, float] | None = None  # (monotonic time, finished) of this worker's last scrape
         self._drain = 0.0  # requests finished per second between this worker's last two scrapes
+        self._warned = False
         self._ttl_ms = max(_MIN_TTL_MS, int(_SCRAPES_KEPT * settings.relay.probe_interval * 1000))
+        # Every tier's series exist from the start (at 0), so rates and the dashboard's panels have data.
+        for tier in map(str, range(len(self._settings.shares))):
+            for reason in ("waiting", "kv_cache"):
+                metrics.admission_refused.labels(tier, reason)
+            for field in ("sent", "dropped"):
+                metrics.priority_sent.labels(tier, field)
+        metrics.admission_refused.labels("all", "engine_queue")
 
     @property
     def enabled(self) -> bool:
@@ -208,14 +216,17 @@ class EngineAdmission:
         self._metrics.priority_sent.labels(str(tier_of(priority, self._settings)), "sent" if sent else "dropped").inc()
 
     async def observe(self, scrape: Callable[[], Awaitable[str]]) -> None:
-        """Scrape the engine's /metrics with `scrape` (the engine monitor's, on its interval) and publish its load;
-        a failed scrape or Redis call is logged and leaves the last scrape to expire."""
+        """Scrape the engine's /metrics with `scrape` (the engine monitor's, on its interval), export its load and,
+        with a bound set, publish it; a failed scrape or Redis call is logged and leaves the last one to expire."""
         try:
-            mark = await self.mark()
-            await asyncio.sleep(TRANSIT)
+            mark = await self.mark() if self.enabled else 0
+            if self.enabled:
+                await asyncio.sleep(TRANSIT)
             load = parse_load(await scrape())
             if load is None:
-                logger.warning("the engine's /metrics has no vllm:num_requests_waiting; admission sees no load")
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("the engine's /metrics has no vllm:num_requests_waiting; admission sees no load")
                 return
             await self.publish(load, mark, time.monotonic())
         except GatewayError as exc:
@@ -227,7 +238,7 @@ class EngineAdmission:
         return int(raw or 0)
 
     async def publish(self, load: EngineLoad, mark: int, now: float) -> None:
-        """Publish one scrape (`mark` from `mark()` before it) and this worker's drain rate; export the load."""
+        """Export the load and this worker's drain rate; with a bound set, publish them (`mark` from `mark()`)."""
         drain = 0.0
         if self._last is not None and now > self._last[0]:
             drain = max(0.0, (load.finished - self._last[1]) / (now - self._last[0]))
@@ -240,5 +251,7 @@ class EngineAdmission:
             ("drain_per_second", drain),
         ):
             self._metrics.engine_load.labels(figure).set(value)
+        if not self.enabled:
+            return
         args: list[str | int] = [repr(load.waiting), repr(load.kv_cache_use), mark, repr(drain), self._ttl_ms]
         await self._calls(lambda: self._publish(keys=self._keys, args=args), unavailable=_UNAVAILABLE)
