@@ -300,13 +300,15 @@ def _add_priority_flag(parser: argparse.ArgumentParser, *, allow_default: bool =
 
 
 def _priority_arg(text: str) -> int | None:
-    value = _limit_arg(text)
-    if value is None and text.strip().lower() != "default":
-        raise argparse.ArgumentTypeError("expected a whole number")
-    return value
+    return _number_or_default(text, "a priority is 0 (most urgent) or more")
 
 
 def _limit_arg(text: str) -> int | None:
+    return _number_or_default(text, "limits are 0 (unlimited) or more")
+
+
+def _number_or_default(text: str, negative: str) -> int | None:
+    """A whole number of 0 or more (`negative` says why not), or None for 'default'."""
     if text.strip().lower() == "default":
         return None
     try:
@@ -314,7 +316,7 @@ def _limit_arg(text: str) -> int | None:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number or 'default', got {text!r}") from None
     if value < 0:
-        raise argparse.ArgumentTypeError("limits are 0 (unlimited) or more")
+        raise argparse.ArgumentTypeError(negative)
     return value
 
 
