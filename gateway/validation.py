@@ -26,6 +26,8 @@ from gateway.settings import Settings
 _CHARS_PER_TOKEN = 4
 _DEFAULT_MAX_TOKENS_ESTIMATE = 256
 
+# vLLM's bound on `priority` (its request schemas: a signed 64-bit integer).
+_INT64_MAX = 2**63 - 1
 _UNION_TAGS = frozenset(("str", "int", "float", "bool", "list", "dict", "none"))
 _JSON_TYPES = {"list": "array", "str": "string", "int": "number", "float": "number", "bool": "boolean"}
 
@@ -82,7 +84,7 @@ def _pop_priority(data: dict[str, Any]) -> int | None:
     requested = data.pop("priority", None)
     if requested is None:
         return None
-    if isinstance(requested, bool) or not isinstance(requested, int):
+    if isinstance(requested, bool) or not isinstance(requested, int) or abs(requested) > _INT64_MAX:
         raise InvalidRequestError(
             "Invalid type for 'priority': send a whole number (larger is less urgent; your key's priority is the "
             "most urgent it may ask for).",

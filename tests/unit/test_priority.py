@@ -38,7 +38,7 @@ def test_the_engine_gets_one_priority_field_and_a_wrong_type_is_a_400_naming_it(
     assert orjson.loads(_prepare(body))["priority"] == 2
     sent = orjson.loads(_prepare({**body, "priority": 7}))
     assert sent["priority"] == 7 and sent["messages"] == body["messages"]
-    for wrong in ("high", 1.5, True, [1]):
+    for wrong in ("high", 1.5, True, [1], 2**63):
         with pytest.raises(InvalidRequestError) as caught:
             _prepare({**body, "priority": wrong})
         assert caught.value.param == "priority"
