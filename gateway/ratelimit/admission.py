@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis_asyncio
 
-from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError
+from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import RedisCalls
 from gateway.settings import AdmissionSettings, Settings
@@ -156,6 +156,7 @@ class EngineAdmission:
 
     def __init__(self, redis: redis_asyncio.Redis, settings: Settings, metrics: GatewayMetrics) -> None:
         self._settings = settings.admission
+        self._fail_open = settings.limits.fail_open
         self._metrics = metrics
         self._calls = RedisCalls(settings, metrics)
         name = engine_id(settings)
@@ -189,9 +190,14 @@ class EngineAdmission:
             -1 if bounds.waiting is None else bounds.waiting,
             -1 if bounds.kv_cache_use is None else repr(bounds.kv_cache_use),
         ]
-        outcome, waiting, drain_text = await self._calls(
-            lambda: self._admit(keys=self._keys, args=args), unavailable=_UNAVAILABLE
-        )
+        try:
+            outcome, waiting, drain_text = await self._calls(
+                lambda: self._admit(keys=self._keys, args=args), unavailable=_UNAVAILABLE
+            )
+        except KeyStoreUnavailableError:
+            if self._fail_open:  # NEMOTRON_LIMITS__FAIL_OPEN: Redis down admits, as for the key's limits
+                return
+            raise
         if outcome == ADMITTED:
             return
         drain = float(drain_text)
