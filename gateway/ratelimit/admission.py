@@ -168,12 +168,17 @@ class EngineAdmission:
         self._drain = 0.0  # requests finished per second between this worker's last two scrapes
         self._warned = False
         self._ttl_ms = max(_MIN_TTL_MS, int(_SCRAPES_KEPT * settings.relay.probe_interval * 1000))
-        # Every tier's series exist from the start (at 0), so rates and the dashboard's panels have data.
-        for tier in map(str, range(len(self._settings.shares))):
+        # Every tier's series exist from the start (at 0), so rates and the dashboard's panels have data; the
+        # sent counters are looked up once (labels() per request shows in a profile).
+        tiers = range(len(self._settings.shares))
+        for tier in tiers:
             for reason in ("waiting", "kv_cache"):
-                metrics.admission_refused.labels(tier, reason)
-            for field in ("sent", "dropped"):
-                metrics.priority_sent.labels(tier, field)
+                metrics.admission_refused.labels(str(tier), reason)
+        self._sent = {
+            (tier, sent): metrics.priority_sent.labels(str(tier), "sent" if sent else "dropped")
+            for tier in tiers
+            for sent in (True, False)
+        }
         metrics.admission_refused.labels("all", "engine_queue")
 
     @property
@@ -219,7 +224,7 @@ class EngineAdmission:
 
     def count_sent(self, priority: int, *, sent: bool) -> None:
         """Count a request going to the engine at `priority`, with vLLM's `priority` field or without (FCFS)."""
-        self._metrics.priority_sent.labels(str(tier_of(priority, self._settings)), "sent" if sent else "dropped").inc()
+        self._sent[tier_of(priority, self._settings), sent].inc()
 
     async def observe(self, scrape: Callable[[], Awaitable[str]]) -> None:
         """Scrape the engine's /metrics with `scrape` (the engine monitor's, on its interval), export its load and,
