@@ -1,18 +1,23 @@
-"""Per-key requests/min, tokens/min and concurrency, held across processes in Redis; the failed-auth guard;
-admission before the engine's queue."""
+"""Per-key requests/min, tokens/min, concurrency and token budgets, held across processes in Redis; the failed-auth
+guard; admission before the engine's queue."""
 
 from gateway.ratelimit.admission import EngineAdmission
 from gateway.ratelimit.guard import FailedAuthGuard
 from gateway.ratelimit.limiter import (
+    BudgetWindows,
     EffectiveLimits,
     Lease,
     LimitedKey,
     RateLimiter,
+    TokenDetail,
     format_reset,
 )
-from gateway.ratelimit.redis import RedisRateLimiter, Usage
+from gateway.ratelimit.redis import ApiUsage, BudgetUsage, RedisRateLimiter, Usage
 
 __all__ = [
+    "ApiUsage",
+    "BudgetUsage",
+    "BudgetWindows",
     "EffectiveLimits",
     "EngineAdmission",
     "FailedAuthGuard",
@@ -20,6 +25,7 @@ __all__ = [
     "LimitedKey",
     "RateLimiter",
     "RedisRateLimiter",
+    "TokenDetail",
     "Usage",
     "format_reset",
 ]

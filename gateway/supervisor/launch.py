@@ -51,6 +51,8 @@ _HELP_TIMEOUT = 300.0
 _QUIET_FLAG = "--disable-access-log-for-endpoints"
 # vLLM's API key from its environment (vllm/envs.py): its /v1 routes then want `Authorization: Bearer <key>`.
 ENGINE_KEY_VARIABLE = "VLLM_API_KEY"
+# vLLM keeps Responses API answers (in memory) only with this set (vllm/envs.py); else it ignores `store`.
+RESPONSES_STORE_VARIABLE = "VLLM_ENABLE_RESPONSES_API_STORE"
 _PROBED_PATHS = "/health,/metrics"
 # Only `vllm serve` itself starts several API-server processes (`--api-server-count` N > 1, issue 11): the
 # api_server module accepts the flag and runs one. Its entry reads the version of a distribution named
@@ -127,15 +129,21 @@ def serve_launcher(argv: list[str], launcher: list[str], version: str) -> list[s
 
 
 def engine_environment(
-    profile: Profile, base: Mapping[str, str] | None = None, api_key: str | None = None
+    profile: Profile,
+    base: Mapping[str, str] | None = None,
+    api_key: str | None = None,
+    *,
+    responses_store: bool = False,
 ) -> dict[str, str]:
-    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, and
-    the engine API key the gateway sends (`engine_api_key`) as VLLM_API_KEY: in argv it would show in `ps`."""
+    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, the
+    engine API key the gateway sends (`engine_api_key`) as VLLM_API_KEY (in argv it would show in `ps`), and the
+    Responses API store switch (`engine.responses_store`), set either way so an inherited one cannot differ."""
     env = dict(os.environ if base is None else base)
     env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.update(profile.env)
     if api_key:
         env[ENGINE_KEY_VARIABLE] = api_key
+    env[RESPONSES_STORE_VARIABLE] = "1" if responses_store else "0"
     return env
 
 
@@ -162,4 +170,4 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
     if not custom:
         argv = serve_launcher(argv, launcher, version)
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else None
-    return profile, argv, engine_environment(profile, api_key=api_key)
+    return profile, argv, engine_environment(profile, api_key=api_key, responses_store=settings.engine.responses_store)
