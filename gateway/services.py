@@ -20,6 +20,7 @@ from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.exchange import EngineRelay
 from gateway.relay.monitor import EngineMonitor
+from gateway.relay.shared import SharedEngineState
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,11 @@ class Services:
     exposition: Exposition
 
     @classmethod
-    def build(cls, settings: Settings, metrics: GatewayMetrics) -> Services:
-        """Construct (nothing is connected until `start`)."""
+    def build(cls, settings: Settings, metrics: GatewayMetrics, shared: SharedEngineState) -> Services:
+        """Construct (nothing is connected until `start`); `shared` is the gateway's one view of the engine, which
+        every worker process of it shares."""
         engine = EngineClient(settings)
-        activity = EngineActivity()
+        activity = EngineActivity(shared)
         redis = connect_redis(settings)
         admission = EngineAdmission(redis, settings, metrics)
         monitor = EngineMonitor(engine, settings, metrics, activity, load_observer=admission.observe)

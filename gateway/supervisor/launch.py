@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from gateway.settings import Settings
@@ -84,25 +84,40 @@ def installed_vllm(python: str) -> tuple[str, list[str]]:
     return str(found["version"]), [python, "-m", str(found["modules"][0])]
 
 
-def accepted_flags(launcher: list[str], version: str, cache_dir: Path) -> frozenset[str]:
-    """Every `--flag` the installed vLLM server accepts, from its `--help=all`, cached per vLLM version."""
-    python = launcher[0]
-    key = hashlib.sha256(f"{python}\0{version}".encode()).hexdigest()[:12]
-    cache = cache_dir / f"vllm-flags-{version}-{key}.txt"
+def cached(cache_dir: Path | None, stem: str, key: str, produce: Callable[[], str]) -> str:
+    """`produce()`'s text, kept as `<cache_dir>/<stem>-<hash of key>.txt` for the next call with the same key.
+
+    For what the installed vLLM answers slowly and always the same way for one key (its flag list per version,
+    the doctor's verdicts per argv and config): a failed `produce()` raises and nothing is kept. No cache_dir:
+    always produced.
+    """
+    if cache_dir is None:
+        return produce()
+    cache = cache_dir / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.txt"
     try:
-        return frozenset(cache.read_text().split())
+        return cache.read_text()
     except OSError:
         pass
-    logger.info("reading the flags %s accepts (once per version; takes a while)", version)
-    result = subprocess.run(
-        [*launcher, "--help=all"], capture_output=True, text=True, timeout=_HELP_TIMEOUT, check=False
-    )
-    flags = frozenset(_FLAG.findall(result.stdout))
-    if result.returncode != 0 or "--port" not in flags:
-        raise ProfileError(f"`vllm serve --help=all` failed (exit {result.returncode}): {result.stderr[-500:]}")
+    text = produce()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cache.write_text("\n".join(sorted(flags)))
-    return flags
+    cache.write_text(text)
+    return text
+
+
+def accepted_flags(launcher: list[str], version: str, cache_dir: Path) -> frozenset[str]:
+    """Every `--flag` the installed vLLM server accepts, from its `--help=all`, cached per vLLM version."""
+
+    def read_help() -> str:
+        logger.info("reading the flags %s accepts (once per version; takes a while)", version)
+        result = subprocess.run(
+            [*launcher, "--help=all"], capture_output=True, text=True, timeout=_HELP_TIMEOUT, check=False
+        )
+        flags = frozenset(_FLAG.findall(result.stdout))
+        if result.returncode != 0 or "--port" not in flags:
+            raise ProfileError(f"`vllm serve --help=all` failed (exit {result.returncode}): {result.stderr[-500:]}")
+        return "\n".join(sorted(flags))
+
+    return frozenset(cached(cache_dir, f"vllm-flags-{version}", f"{launcher[0]}\0{version}", read_help).split())
 
 
 def api_server_count(argv: Sequence[str]) -> int:
