@@ -4,7 +4,7 @@
 that a vLLM without the Responses backend (0.26.0, the GPU machine's) gets one registered first (`openai-responses`:
 the same stream reading as vLLM 0.32's, POST /v1/responses, `response.output_text.delta` events timed as tokens,
 usage from `response.completed`). The gateway's key travels as `OPENAI_API_KEY` in the child's environment (vLLM's
-client reads it), never as `--header` (vLLM 0.26 writes its args into result files).
+client reads it), never as `--header` (vLLM's client prints its arguments, headers included).
 
 `start`/`finish` run one bench process each (several at once for two keys or a split load) and read each child's
 own CPU seconds from `os.wait4`, so a client-bound point shows as a client near one full core. Imports no vLLM

@@ -3,7 +3,8 @@
 Every load is `vllm bench serve` (loadtest/gpu/bench.py); two keys are two client processes at once, each with
 its key as OPENAI_API_KEY. Phases, in order, each written to priority.json / priority.md as it ends:
 
-1. `alone`: the interactive load (short prompts, short answers) through the gateway, nothing else running.
+1. `alone`: the interactive load (short prompts, short answers, open loop at a fixed rate) through the gateway,
+   nothing else running.
 2. `gateway-loaded`: the batch load (long generations, concurrency well above the engine's batch) through the
    gateway with the batch key; once vLLM reports waiting requests, the interactive load with its key. The
    gateway gives each request its key's priority, which the engine (`--scheduling-policy priority`) honours.
@@ -176,8 +177,15 @@ class Step:
     def load(self, base_url: str, shape: str, **overrides: Any) -> bench.Load:
         self.seed += 1
         a = self.args
+        if shape == "interactive":
+            overrides = {"rate": a.interactive_rate, **overrides}
         lengths = {
-            "interactive": (a.interactive_concurrency, a.interactive_prompts, a.interactive_in, a.interactive_out),
+            "interactive": (
+                a.interactive_concurrency or None,
+                int(a.interactive_rate * a.interactive_seconds),
+                a.interactive_in,
+                a.interactive_out,
+            ),
             "batch": (a.batch_concurrency, a.batch_prompts, a.batch_in, a.batch_out),
             "overload": (a.capacity_concurrency, 3 * a.capacity_concurrency, a.overload_in, a.overload_out),
         }[shape]
@@ -334,8 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--interactive-key", required=True)
     add("--batch-key", required=True)
     add("--overload-key", required=True)
-    add("--interactive-concurrency", type=int, default=16)
-    add("--interactive-prompts", type=int, default=320)
+    # Open loop: every interactive request arrives on time whatever the engine does, so a phase lasts its arrival
+    # window plus the queue's wait (a closed loop of 16 behind vLLM's FCFS queue of 1024-token answers would take
+    # many minutes for a few hundred requests). --interactive-concurrency caps the requests in flight (0: none).
+    add("--interactive-rate", type=float, default=4.0, help="interactive requests per second")
+    add("--interactive-seconds", type=float, default=20.0, help="how long the interactive arrivals last")
+    add("--interactive-concurrency", type=int, default=0)
     add("--interactive-in", type=int, default=64)
     add("--interactive-out", type=int, default=32)
     add("--batch-concurrency", type=int, default=512)
@@ -346,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--overload-in", type=int, default=200)
     add("--overload-out", type=int, default=128)
     add("--overload", type=float, default=3.0, help="offered load as a multiple of the measured capacity")
-    add("--overload-seconds", type=float, default=20.0, help="how long the open-loop arrivals last")
+    add("--overload-seconds", type=float, default=15.0, help="how long the open-loop arrivals last")
     add("--ttft-target-ms", type=float, default=1000.0, help="the TTFT a request must meet to count as goodput")
     add("--probe-rate", type=float, default=5.0, help="shed probes per second during the gateway overload")
     add("--phases", default="alone,gateway-loaded,direct-loaded,overload")
