@@ -1,6 +1,11 @@
 """The one home of redis-py in the gateway: the pooled client, the error boundary, the pub/sub listener.
 
-Imports settings, errors, metrics and background only. Every Redis call of the services goes through `RedisCalls`,
+Imports settings, errors, metrics and background only. `connect_redis` is the one factory of clients (the
+gateway, the `keys` CLI, the doctor): a `redis://` URL gets a plain pool, a `redis+sentinel://` URL redis-py's
+Sentinel client, whose pool asks the Sentinels for the master before each new connection, so a failover is
+followed by reconnecting; a connection still on a demoted master gets READONLY, which redis-py turns into a
+connection error. Lua scripts are sent by SHA and loaded again on NOSCRIPT (a promoted replica may lack them).
+Every Redis call of the services goes through `RedisCalls`,
 which bounds it by one deadline (`redis.command_timeout`), retries it once on a fresh connection after a
 connection error, and maps what redis-py raises to KeyStoreUnavailableError (503, fail closed).
 
@@ -23,15 +28,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
 import redis.asyncio as redis_asyncio
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.driver_info import DriverInfo
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from gateway.background import BackgroundTask, Backoff
 from gateway.errors import KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Settings
+from gateway.settings import Settings, parse_redis_url
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +51,64 @@ UNAVAILABLE: Final = "The API key store is unavailable; retry shortly."
 
 
 def connect_redis(settings: Settings) -> redis_asyncio.Redis:
-    """A pooled asyncio Redis client; dead pooled connections are reconnected before use (module docstring)."""
-    return redis_asyncio.Redis.from_url(
-        settings.redis_url.get_secret_value(),
-        socket_connect_timeout=settings.redis.connect_timeout,
-        socket_timeout=settings.redis.socket_timeout,
-        max_connections=settings.redis.max_connections,
-        health_check_interval=30,
-        decode_responses=False,
-        maint_notifications_config=MaintNotificationsConfig(enabled=False),
+    """A pooled asyncio Redis client for `redis_url` (plain or Sentinel); dead pooled connections are reconnected
+    before use (module docstring). Close it with `close_redis`."""
+    options: dict[str, Any] = {
+        "socket_connect_timeout": settings.redis.connect_timeout,
+        "socket_timeout": settings.redis.socket_timeout,
+        "health_check_interval": 30,
+        "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         # Resolved once here: left to redis-py, every new pooled connection looks its version up in the
         # package metadata (~3 ms of blocking work each, enough to stall a cold burst).
-        driver_info=DriverInfo(),
+        "driver_info": DriverInfo(),
+    }
+    url = settings.redis_url.get_secret_value()
+    address = parse_redis_url(url)
+    if address is None:
+        return redis_asyncio.Redis.from_url(
+            url, max_connections=settings.redis.max_connections, decode_responses=False, **options
+        )
+    sentinel_password = settings.redis.sentinel_password
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        address.sentinels,
+        # A Sentinel client of redis-py retries 10 times with backoff by default: a dead Sentinel would eat the
+        # call's deadline. None here; `discover_master` moves on to the next Sentinel instead.
+        sentinel_kwargs={
+            **options,
+            "retry": Retry(NoBackoff(), 0),
+            "password": None if sentinel_password is None else sentinel_password.get_secret_value(),
+        },
     )
+    master: redis_asyncio.Redis = sentinel.master_for(
+        address.service,
+        db=address.db,
+        username=address.username,
+        password=None if address.password is None else address.password.get_secret_value(),
+        max_connections=settings.redis.max_connections,
+        **options,
+    )
+    return master
+
+
+async def close_redis(client: redis_asyncio.Redis) -> None:
+    """Close a client of `connect_redis`, and the connections to the Sentinels it asked, if any."""
+    pool = client.connection_pool
+    await client.aclose()
+    if isinstance(pool, SentinelConnectionPool):
+        await pool.sentinel_manager.aclose()
+
+
+async def ping_redis(settings: Settings) -> str | None:
+    """None if Redis (the master, with Sentinel) answers PING within `redis.command_timeout`, else why not."""
+    client = connect_redis(settings)
+    try:
+        async with asyncio.timeout(settings.redis.command_timeout):
+            await client.ping()
+    except REDIS_ERRORS as exc:
+        return str(exc) or type(exc).__name__
+    finally:
+        await close_redis(client)
+    return None
 
 
 class RedisCalls:
@@ -68,14 +121,16 @@ class RedisCalls:
         self._errors = None if metrics is None else metrics.redis_errors
 
     async def __call__(self, work: Callable[[], Awaitable[T]], *, unavailable: str = UNAVAILABLE) -> T:
-        """`await work()` within `redis.command_timeout`; on a connection error, once more (on another pooled
-        connection, reconnected if dead). `work` must be safe to run twice. KeyStoreUnavailableError otherwise."""
+        """`await work()` within `redis.command_timeout`; on a connection error or READONLY, once more (on another
+        pooled connection, reconnected if dead). `work` must be safe to run twice. KeyStoreUnavailableError
+        otherwise."""
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):
                 try:
                     return await work()
-                except RedisConnectionError as exc:
+                except (RedisConnectionError, ReadOnlyError) as exc:
+                    # READONLY: a replica refused the command before running it (a failover behind a plain URL).
                     logger.debug("Redis connection error (%s); retrying once on a fresh connection", exc)
                     return await work()
         except REDIS_ERRORS as exc:

@@ -108,6 +108,8 @@ class _SamplingFields(_Strict):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     min_tokens: StrictInt | None = Field(None, ge=0)
     n: StrictInt | None = Field(None, ge=1)
+    # Read by the choice cap and the up-front charge on both routes, so typed on both (vLLM's chat ignores it).
+    best_of: StrictInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: Probability | None = None
     presence_penalty: Penalty | None = None
@@ -115,6 +117,7 @@ class _SamplingFields(_Strict):
     seed: StrictInt | None = None
     stop: Any = None
     user: StrictStr | None = None
+    logit_bias: dict[StrictStr, float] | None = None
 
     _stop = field_validator("stop", mode="before")(_check_stop)
 
@@ -138,7 +141,6 @@ class CompletionRequest(_SamplingFields):
     prompt: Any
     echo: bool | None = None
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    best_of: StrictInt | None = Field(None, ge=1)
     suffix: StrictStr | None = None
 
     @field_validator("prompt", mode="before")

@@ -15,7 +15,7 @@ from gateway.auth import KeyStore
 from gateway.exposition import Exposition
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import FailedAuthGuard, RedisRateLimiter
-from gateway.redis_client import connect_redis
+from gateway.redis_client import close_redis, connect_redis
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.exchange import EngineRelay
@@ -84,7 +84,7 @@ class Services:
         await self.limiter.stop()
         await self.monitor.stop()
         await self.engine.stop()
-        await self.redis.aclose()
+        await close_redis(self.redis)
         self.exposition.stop()
 
     async def check_redis(self) -> str | None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +21,8 @@ DEFAULT_SYSTEM_MESSAGE = "You are a helpful assistant."
 ENV_PREFIX = "NEMOTRON_"
 # Variables of the test suite, not of the gateway (tests/conftest.py reads them).
 _TEST_PREFIX = "NEMOTRON_TEST_"
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,11 @@ class RedisSettings(_Group):
         description="Seconds one Redis operation of the gateway (key lookup, admission, release, guard count) may "
         "take in all, its one retry on a fresh connection after a connection error included; past it the "
         "request gets 503 (or is admitted, where `fail_open` says so). The single deadline of every Redis call.",
+    )
+    sentinel_password: SecretStr | None = Field(
+        None,
+        description="Password of the Sentinels themselves (`requirepass` in sentinel.conf), with a "
+        "`redis+sentinel://` URL; the URL's own password is the master's.",
     )
 
 
@@ -333,6 +342,8 @@ class Settings(BaseSettings):
         frozen=True,
         extra="forbid",
         env_file=None,
+        # A bad value is named, never echoed: the Redis URL and the secrets may carry passwords.
+        hide_input_in_errors=True,
     )
 
     host: str = Field("127.0.0.1", description="Address the gateway listens on (behind nginx: keep 127.0.0.1).")
@@ -345,7 +356,10 @@ class Settings(BaseSettings):
     )
     redis_url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"),
-        description="Redis holding keys and limit counters (may carry a password, so it is never logged).",
+        description="Redis holding keys and limit counters (may carry a password, so it is never logged): "
+        "`redis://[:password@]host:6379/0`, `rediss://` for TLS, or Sentinel's "
+        "`redis+sentinel://[:password@]host1:26379,host2:26379,host3:26379/mymaster/0` (the master's name, "
+        "then the db), whose master is asked of the Sentinels and followed through a failover.",
     )
     model_name: str | None = Field(
         None, description="The served model name clients must send; learned from the engine's /v1/models when unset."
@@ -369,6 +383,14 @@ class Settings(BaseSettings):
         ge=1,
         description="Most chat messages (or prompts in a batch) one request may carry; checked before the costly "
         'per-message checks: on the raw body (its "role" keys) before it is even parsed, and exactly after.',
+    )
+    max_list_entries: int = Field(
+        8192,
+        ge=1,
+        description="Most entries the other lists one request carries may hold together (content parts, tool "
+        "calls, tools, stop strings, logit_bias entries); checked before the costly per-entry checks: on the raw "
+        'body (its "type" keys, which JSON-schema nodes inside tools also have) before it is parsed, and exactly '
+        "after.",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Write one access-log line per request.")
@@ -400,6 +422,12 @@ class Settings(BaseSettings):
     http: HttpSettings = Field(default_factory=HttpSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: SecretStr) -> SecretStr:
+        parse_redis_url(value.get_secret_value())  # a ValueError that never quotes the password
+        return value
+
     @field_validator("engine_url")
     @classmethod
     def _strip_trailing_slash(cls, value: str) -> str:
@@ -410,6 +438,78 @@ class Settings(BaseSettings):
     def masked(self) -> dict[str, Any]:
         """The effective configuration for the start-up log line, secrets masked."""
         return self.model_dump(mode="json")
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelAddress:
+    """Where a `redis+sentinel://` URL says Redis is: the Sentinels to ask, the master's name, the db and the
+    master's credentials (the password is a secret: its repr is masked)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: SecretStr | None = None
+
+
+def parse_redis_url(url: str) -> SentinelAddress | None:
+    """The Sentinel address of a `redis+sentinel://` URL; None for any other URL (redis-py reads those).
+
+    `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]`, the password and user
+    percent-encoded, IPv6 hosts in brackets, the port 26379 when left out. A ValueError says what is wrong
+    without quoting the password.
+    """
+    scheme, separator, rest = url.partition("://")
+    if not separator or scheme.lower() != SENTINEL_SCHEME:
+        return None
+    netloc, _, path = rest.partition("/")
+    if "?" in path or "#" in path or "?" in netloc:
+        raise ValueError(
+            "a redis+sentinel:// URL takes no query or fragment (the Sentinels' password is "
+            "NEMOTRON_REDIS__SENTINEL_PASSWORD)"
+        )
+    credentials, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = credentials.partition(":")
+        username = unquote(user) or None
+        password = SecretStr(unquote(secret)) if colon and secret else None
+    sentinels = tuple(_sentinel_host(entry) for entry in hosts.split(","))
+    parts = path.split("/") if path else []
+    if not parts or not parts[0]:
+        raise ValueError("a redis+sentinel:// URL names the master after the hosts: .../mymaster/0")
+    if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError("a redis+sentinel:// URL ends with /<master name>[/<db number>]")
+    db = int(parts[1]) if len(parts) == 2 else 0
+    return SentinelAddress(sentinels, unquote(parts[0]), db, username, password)
+
+
+def _sentinel_host(entry: str) -> tuple[str, int]:
+    if entry.startswith("["):
+        host, bracket, port_text = entry[1:].partition("]")
+        if not bracket or (port_text and not port_text.startswith(":")):
+            raise ValueError("a redis+sentinel:// IPv6 host is written [address]:port")
+        port_text = port_text[1:]
+    else:
+        host, _, port_text = entry.partition(":")
+    if not host:
+        raise ValueError("a redis+sentinel:// URL lists its Sentinels as host:port,host:port (one is empty)")
+    if not port_text:
+        return host, SENTINEL_PORT
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"a redis+sentinel:// URL has a bad port for Sentinel {host}: {port_text!r}")
+    return host, int(port_text)
+
+
+def masked_redis_url(url: str) -> str:
+    """The Redis URL with any password replaced by *** (for logs, the doctor and error messages)."""
+    scheme, separator, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    credentials, at, hosts = netloc.rpartition("@")
+    if not separator or not at or ":" not in credentials:
+        return url
+    user = credentials.partition(":")[0]
+    return f"{scheme}://{user}:***@{hosts}{slash}{path}"
 
 
 def setting_names() -> list[str]:

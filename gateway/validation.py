@@ -2,8 +2,8 @@
 
 Checks the Nemotron pitfalls (see DESIGN.md) and applies policy: model aliases, `developer` sent as `system`,
 the default system message, the reasoning switch in the served model's convention, usage always requested in
-streams. Cheap checks (the message count) come before costly ones, and a large body is prepared in a worker
-thread. Imports settings, errors, schemas, reasoning and the relay's ModelInfo only.
+streams. Cheap checks (the counts of messages and other lists, `gateway/bounds.py`) come before costly ones.
+Imports settings, errors, bounds, schemas, reasoning and the relay's ModelInfo only.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from gateway.bounds import ROLE_MARKER, TYPE_MARKER, BodyBounds, count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.reasoning import apply_reasoning, served_switch
 from gateway.relay.model import ModelInfo
@@ -154,38 +155,10 @@ class _Route:
     schema: type[BaseModel]
     # The fields the engine takes its completion budget from, the one it prefers first.
     budget_fields: tuple[str, ...]
-    # How many messages (or prompts of a batch) a parsed body carries, counted before validation.
-    items: Callable[[dict[str, Any]], int]
-    items_field: str
-    # Bytes each item carries once (a message's `"role"` key), counted in the raw body before it is parsed.
-    item_marker: bytes | None
+    # The lists validation walks entry by entry, counted before they are (messages, a batch's prompts, parts, ...).
+    bounds: BodyBounds
     # How many prompts the engine completes (a batch completes each).
     prompts: Callable[[dict[str, Any]], int]
-
-
-def _precount(body: bytes, route: _Route, settings: Settings) -> None:
-    # Before parsing: a 2 MB body of 60,000 tiny messages takes ~20 ms to parse (on the event loop, or
-    # holding the GIL in a worker thread), counting its `"role"` keys ~0.1 ms (issue 12). Each message has
-    # one, so a body with more than the cap carries too many messages unless the string "role" is also
-    # a value somewhere thousands of times; a key written with escapes is still caught after parsing.
-    if route.item_marker is None:
-        return
-    count = body.count(route.item_marker)
-    if count > settings.max_messages:
-        raise InvalidRequestError(
-            f"'{route.items_field}' has about {count} entries; this gateway accepts at most {settings.max_messages}.",
-            param=route.items_field,
-        )
-
-
-def _check_size(data: dict[str, Any], route: _Route, settings: Settings) -> None:
-    # Before validation: checking 60,000 tiny messages one by one is what costs (issue 12).
-    count = route.items(data)
-    if count > settings.max_messages:
-        raise InvalidRequestError(
-            f"'{route.items_field}' has {count} entries; this gateway accepts at most {settings.max_messages}.",
-            param=route.items_field,
-        )
 
 
 def _check_choices(data: dict[str, Any], settings: Settings) -> int:
@@ -256,9 +229,9 @@ def _prepare(
 ) -> PreparedRequest:
     """Parse, count, validate, resolve the model, check choices and budget, apply the stream policy and the
     route's own policy (which returns the prompt's token estimate), and serialise what goes to the engine."""
-    _precount(body, route, settings)
+    route.bounds.precount(body, settings)
     data = parse_json_object(body)
-    _check_size(data, route, settings)
+    route.bounds.check(data, settings)
     _validate(route.schema, data)
     model = _resolve_model(data["model"], settings, info)
     data["model"] = model
@@ -277,10 +250,6 @@ def _prepare(
     )
 
 
-def _length(value: Any) -> int:
-    return len(value) if isinstance(value, list) else 0
-
-
 def _batch(prompt: Any) -> int:
     # A list of strings or of token-id lists is a batch; a flat list of token ids is one prompt.
     return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 0
@@ -289,18 +258,22 @@ def _batch(prompt: Any) -> int:
 _CHAT = _Route(
     schema=ChatCompletionRequest,
     budget_fields=("max_completion_tokens", "max_tokens"),
-    items=lambda data: _length(data.get("messages")),
-    items_field="messages",
-    item_marker=b'"role"',
+    bounds=BodyBounds(
+        items_field="messages",
+        items=lambda data: count_entries(data, "messages"),
+        item_marker=ROLE_MARKER,
+        entries=("messages[].content", "messages[].tool_calls", "tools", "stop", "logit_bias"),
+        entry_marker=TYPE_MARKER,
+    ),
     prompts=lambda data: 1,
 )
 _COMPLETION = _Route(
     schema=CompletionRequest,
     # vLLM's completions take max_tokens only.
     budget_fields=("max_tokens",),
-    items=lambda data: _batch(data.get("prompt")),
-    items_field="prompt",
-    item_marker=None,
+    bounds=BodyBounds(
+        items_field="prompt", items=lambda data: _batch(data.get("prompt")), entries=("stop", "logit_bias")
+    ),
     prompts=lambda data: max(1, _batch(data["prompt"])),
 )
 

@@ -21,7 +21,7 @@ from gateway.auth.keys import ApiKey, KeyExistsError, KeyLimits, KeyNotFoundErro
 from gateway.auth.store import KeyStore
 from gateway.errors import GatewayError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.ratelimit import RedisRateLimiter, Usage
-from gateway.redis_client import connect_redis
+from gateway.redis_client import close_redis, connect_redis
 from gateway.settings import Settings
 
 _DURATION_PART = re.compile(r"(\d+)([smhdw])")
@@ -129,7 +129,7 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
         else:
             raise InvalidRequestError(f"unknown verb {verb!r}")
     finally:
-        await redis.aclose()
+        await close_redis(redis)
     return 0
 
 

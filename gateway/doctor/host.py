@@ -6,6 +6,7 @@ Imports `check`, `rows` and `running` of ours.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import resource
 import shutil
@@ -15,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
+from pydantic import SecretStr
 
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, warned
 from gateway.doctor.running import PortOwner
+from gateway.redis_client import ping_redis
+from gateway.settings import RedisSettings, Settings
 
 MIN_OPEN_FILES = 65_536
 MIN_CACHE_DISK = 15 * 10**9  # bytes: a quantised 8B model plus vLLM's compile caches
@@ -198,16 +201,13 @@ def read_free_disk(path: Path) -> tuple[Path, int]:
     return probe, shutil.disk_usage(probe).free
 
 
-def probe_redis(url: str, timeout: float = 1.0) -> str | None:
-    """None if Redis answers PING within `timeout`, else the error."""
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-    try:
-        client.ping()
-    except (redis.RedisError, OSError) as exc:
-        return str(exc) or type(exc).__name__
-    finally:
-        client.close()
-    return None
+def probe_redis(url: str, timeout: float = 1.0, sentinel_password: SecretStr | None = None) -> str | None:
+    """None if Redis (the master, with Sentinel) answers PING within `timeout`, else the error; connected as the
+    gateway connects (`redis_client.connect_redis`)."""
+    redis = RedisSettings(
+        connect_timeout=timeout, socket_timeout=timeout, command_timeout=timeout, sentinel_password=sentinel_password
+    )
+    return asyncio.run(ping_redis(Settings(redis_url=SecretStr(url), redis=redis)))
 
 
 def probe_port(host: str, port: int) -> str | None:

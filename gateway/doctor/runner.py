@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, skipped, worst
 from gateway.doctor.flags import engine_flags
@@ -36,7 +38,6 @@ from gateway.doctor.host import (
     check_proxy,
     check_redis,
     check_ulimit,
-    mask_url,
     probe_port,
     probe_proxies,
     probe_redis,
@@ -48,7 +49,7 @@ from gateway.doctor.host import (
 from gateway.doctor.model import ModelFlags, check_model_dir, resolve_model
 from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
 from gateway.doctor.running import RunningEngine, running_engine
-from gateway.settings import Settings
+from gateway.settings import Settings, masked_redis_url
 from gateway.supervisor.profiles import Profile
 
 
@@ -70,6 +71,7 @@ class DoctorConfig:
     engine_port: int = 8001
     engine_status_file: Path | None = None  # the supervisor's status: our running engine's port and GPU memory
     redis_url: str | None = None  # None: the Redis row is skipped
+    redis_sentinel_password: SecretStr | None = None  # the Sentinels' own, with a redis+sentinel:// URL
     cache_dir: Path | None = None  # None: HF_HUB_CACHE / HF_HOME / ~/.cache/huggingface (--download-dir sets it)
     model_size_bytes: int | None = None  # raises the free-disk floor above 15 GB when known
     cpu: bool = False  # the CPU profile: no GPU is needed
@@ -149,7 +151,8 @@ def _host_checks(config: DoctorConfig, env: Mapping[str, str], engine: RunningEn
     disk_at, free = read_free_disk(config.cache_dir or hub_cache(env))
     proxies = proxy_settings(env)
     if config.redis_url:
-        redis_row = check_redis(mask_url(config.redis_url), probe_redis(config.redis_url))
+        probed = probe_redis(config.redis_url, sentinel_password=config.redis_sentinel_password)
+        redis_row = check_redis(masked_redis_url(config.redis_url), probed)
     else:
         redis_row = skipped(rows.REDIS, "no Redis URL given")
     return [
@@ -221,6 +224,7 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         reasoning_parser=flags.reasoning_parser,
         engine_port=settings.engine.port,
         redis_url=settings.redis_url.get_secret_value(),
+        redis_sentinel_password=settings.redis.sentinel_password,
         cache_dir=Path(flags.download_dir).expanduser() if flags.download_dir else None,
         # No GPU memory share among the flags: a CPU profile (cpu-dev), no GPU is needed.
         cpu=flags.gpu_memory_utilization is None,

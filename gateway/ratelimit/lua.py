@@ -29,14 +29,16 @@ local function store(key, used, limit)
 end
 """
 
-# KEYS: requests bucket, tokens bucket, leases (ZSET, score = expiry ms), admission marker of this lease.
-# ARGV: window ms, rpm, tpm, max concurrency, estimated tokens, lease id, lease ttl ms, concurrency retry ms,
-# marker ttl ms. Every limit is checked before anything is written, so a refused request consumes nothing.
-# An admitted lease leaves a marker holding its answer: the same lease admitted again (a retry after a lost
-# reply) gets that answer and is not charged twice.
+# KEYS: requests bucket, tokens bucket, leases (ZSET, score = expiry ms), admission marker of this lease, release
+# marker of this lease. ARGV: window ms, rpm, tpm, max concurrency, estimated tokens, lease id, lease ttl ms,
+# concurrency retry ms, marker ttl ms. Every limit is checked before anything is written, so a refused request
+# consumes nothing. An admitted lease leaves a marker holding its answer: the same lease admitted again (a retry
+# after a lost reply) gets that answer and is not charged twice. A lease already released is refused: its
+# admission timed out in the gateway, waited in a stalled Redis, and its release overtook it.
 ACQUIRE = (
     BUCKET
     + """
+if redis.call('EXISTS', KEYS[5]) == 1 then return {1, tonumber(ARGV[8]), 0, 0} end
 local done = redis.call('GET', KEYS[4])
 if done then
   local gap = string.find(done, ' ')
@@ -75,14 +77,17 @@ return {refused, retry, req, tok}
 """
 )
 
-# KEYS: tokens bucket, leases, usage of the day (HASH), last used (ms), release marker of this lease.
-# ARGV: window ms, tpm, used - estimated tokens, lease id, used tokens, retention seconds, requests served (0|1),
-# marker ttl ms. Runs once per lease: a second release of it (a retry after a lost reply) changes nothing.
+# KEYS: tokens bucket, leases, usage of the day (HASH), last used (ms), release marker of this lease, its admission
+# marker. ARGV: window ms, tpm, used - estimated tokens, lease id, used tokens, retention seconds, requests served
+# (0|1), marker ttl ms, admission unconfirmed (0|1). Runs once per lease: a second release of it (a retry after a
+# lost reply) changes nothing. The release of an admission the gateway never saw answered refunds its charge only
+# if the admission ran (its marker is there; a lapsed marker keeps the charge, erring against the key).
 RELEASE = (
     BUCKET
     + """
 if not redis.call('SET', KEYS[5], '1', 'NX', 'PX', ARGV[8]) then return 0 end
 local tpm, diff = tonumber(ARGV[2]), tonumber(ARGV[3])
+if ARGV[9] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then diff = 0 end
 if tpm > 0 and diff ~= 0 then store(KEYS[1], math.max(0, level(KEYS[1], tpm) + diff * window), tpm) end
 redis.call('ZREM', KEYS[2], ARGV[4])
 if ARGV[7] == '1' then

@@ -7,7 +7,9 @@ KeyStoreUnavailableError).
 
 Admission and release are idempotent per lease id (a short-lived marker key records that the script ran),
 so that retry is safe even when a reply, not the command, was lost: a request is never charged twice, and a
-release that failed is retried in the background until Redis answers, freeing the slot at once.
+release that failed is retried in the background until Redis answers, freeing the slot at once. An admission
+that failed (its deadline passed while Redis was stalled) may still run when Redis resumes: its lease id is
+released in the background too, and a lease released first is never admitted.
 
 Buckets (requests and tokens) are GCRA in integer arithmetic: one request or token costs `window_ms`
 units, a bucket holds `limit * window_ms` units and drains `limit` units per millisecond. Exact integers
@@ -59,6 +61,10 @@ _REFUSED_WITHOUT_BODY = _REFUSED_CONCURRENCY | _REFUSED_REQUESTS
 _MAX_REMEMBERED_REFUSALS = 10_000
 # A failed release is retried this often (jittered) until Redis answers: the slot frees within ~0.5 s of it.
 _RELEASE_RETRY = Backoff(initial=0.05, maximum=0.5)
+# Failed admissions whose lease ids wait for release, and how many one pipelined round trip releases. Beyond the
+# bound (a long outage under load) a lease that did run when Redis resumed expires after `limits.lease_ttl`.
+_MAX_UNCONFIRMED = 10_000
+_UNCONFIRMED_BATCH = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,15 @@ class RedisRateLimiter:
         self._live: dict[str, Lease] = {}
         self._pending: set[asyncio.Task[Any]] = set()
         self._retrying: set[BackgroundTask] = set()  # releases that failed, retried until Redis answers
+        # Lease id -> (lease, monotonic time to give up) of admissions that failed: released once Redis answers.
+        self._unconfirmed: dict[str, tuple[Lease, float]] = {}
+        self._unconfirmed_releaser = BackgroundTask(
+            "ratelimit-unconfirmed-release",
+            self._release_unconfirmed,
+            expected=(KeyStoreUnavailableError,),
+            backoff=_RELEASE_RETRY,
+            stop_timeout=self._calls.timeout + 1,
+        )
         # Key name -> (monotonic time the refusal lapses, refused bits, message): `precheck` answers from here.
         self._refusals: dict[str, tuple[float, int, RateLimitError]] = {}
         self._renewer = BackgroundTask.every(
@@ -116,6 +131,7 @@ class RedisRateLimiter:
         for retry in list(self._retrying):
             await retry.stop()
         self._retrying.clear()
+        await self._unconfirmed_releaser.stop()
 
     def precheck(self, key: LimitedKey) -> None:
         """RateLimitError if `key` was refused for requests/min or concurrency by this process and that refusal
@@ -170,6 +186,7 @@ class RedisRateLimiter:
             admission.add_done_callback(lambda done: self._release_orphan(done, lease))
             raise
         except KeyStoreUnavailableError as exc:
+            self._release_unconfirmed_later(lease)
             if self._settings.fail_open:
                 cause = exc.__cause__ or exc
                 logger.warning("Rate-limit store unavailable (%s); admitting without limits", type(cause).__name__)
@@ -225,16 +242,48 @@ class RedisRateLimiter:
         return usage
 
     async def _admit(self, name: str, lease_id: str, args: list[int | str]) -> tuple[int, int, int, int]:
-        keys = [*_bucket_keys(name), _marker_key(name, "admitted", lease_id)]
+        keys = [*_bucket_keys(name), _marker_key(name, "admitted", lease_id), _marker_key(name, "released", lease_id)]
         full_args = [*args, self._admitted_marker_ms]
         result = await self._calls(lambda: self._acquire(keys=keys, args=full_args), unavailable=_UNAVAILABLE)
         refused, retry_ms, requests_used, tokens_used = (int(value) for value in result)
         return refused, retry_ms, requests_used, tokens_used
 
     def _release_orphan(self, admission: asyncio.Task[tuple[int, int, int, int]], lease: Lease) -> None:
-        if admission.cancelled() or admission.exception() is not None or admission.result()[0]:
+        if admission.cancelled() or admission.exception() is not None:
+            self._release_unconfirmed_later(lease)
             return
-        _ = self._spawn(self._finish(lease, 0, served=False))  # kept in self._pending
+        if not admission.result()[0]:
+            _ = self._spawn(self._finish(lease, 0, served=False))  # kept in self._pending
+
+    def _release_unconfirmed_later(self, lease: Lease) -> None:
+        # The admission's script may still be queued in a stalled Redis and run when it resumes; its slot would
+        # then be held until the lease TTL. Released (idempotently) once Redis answers, in one background task.
+        if lease.limits.max_concurrency == 0 and lease.limits.tokens_per_minute == 0:
+            return  # nothing the admission could hold or charge that a release gives back
+        if len(self._unconfirmed) >= _MAX_UNCONFIRMED:
+            return
+        self._unconfirmed[lease.lease_id] = (lease, time.monotonic() + self._settings.lease_ttl)
+        self._unconfirmed_releaser.start()
+
+    async def _release_unconfirmed(self) -> None:
+        while self._unconfirmed:
+            now = time.monotonic()
+            for lease_id in [i for i, (_, until) in self._unconfirmed.items() if until <= now]:
+                del self._unconfirmed[lease_id]  # past its TTL the slot has expired in Redis anyway
+            batch = [lease for lease, _ in list(self._unconfirmed.values())[:_UNCONFIRMED_BATCH]]
+            if not batch:
+                return
+            calls = [self._release_call(lease, 0, served=False, unconfirmed=True) for lease in batch]
+
+            async def release_all(calls: list[tuple[list[str], list[int | str]]] = calls) -> None:
+                async with self._redis.pipeline(transaction=False) as pipe:  # reset even when cancelled
+                    for keys, args in calls:
+                        await self._release(keys=keys, args=args, client=pipe)
+                    await pipe.execute()
+
+            await self._calls(release_all, unavailable=_UNAVAILABLE)
+            for lease in batch:
+                self._unconfirmed.pop(lease.lease_id, None)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)
@@ -276,7 +325,10 @@ class RedisRateLimiter:
             )
         return f"Rate limit reached: {'; '.join(reasons)}. Retry in {format_reset(retry_ms)}."
 
-    async def _finish(self, lease: Lease, used_tokens: int | None, *, served: bool = True) -> None:
+    def _release_call(
+        self, lease: Lease, used_tokens: int | None, *, served: bool, unconfirmed: bool = False
+    ) -> tuple[list[str], list[int | str]]:
+        """The RELEASE script's keys and arguments for `lease` (see `lua.RELEASE`)."""
         used = lease.estimated_tokens if used_tokens is None else max(0, used_tokens)
         today = datetime.now(UTC).date()
         keys = [
@@ -284,6 +336,7 @@ class RedisRateLimiter:
             _usage_day_key(lease.key_name, today),
             _usage_last_key(lease.key_name),
             _marker_key(lease.key_name, "released", lease.lease_id),
+            _marker_key(lease.key_name, "admitted", lease.lease_id),
         ]
         args: list[int | str] = [
             self._window_ms,
@@ -294,7 +347,12 @@ class RedisRateLimiter:
             self._retention_s,
             1 if served else 0,
             self._released_marker_ms,
+            1 if unconfirmed else 0,
         ]
+        return keys, args
+
+    async def _finish(self, lease: Lease, used_tokens: int | None, *, served: bool = True) -> None:
+        keys, args = self._release_call(lease, used_tokens, served=served)
         try:
             await self._calls(lambda: self._release(keys=keys, args=args), unavailable=_UNAVAILABLE)
             return

@@ -212,3 +212,27 @@ async def first_refusal(client: httpx.AsyncClient, url: str, headers: dict[str, 
         assert response.headers.get("retry-after", "").isdigit()
         return time.monotonic()
     raise AssertionError("requests to a frozen engine were neither answered nor refused within the stall bound")
+
+
+CUT_STREAMS = 48
+CUT_AFTER = 4
+
+
+async def test_streams_cut_by_the_engine_deliver_every_chunk_it_sent_then_one_error(
+    fault_engine: FakeEngineControl, redis_url: str, figures: Figures
+) -> None:
+    # Before: at 0 ms between tokens 2 of 40 streams got only the error event: aiohttp raised the connection's
+    # error before handing over the chunks it had buffered.
+    body = {**chat_body(max_tokens=50, token_delay=0.0), "fake_die_after": CUT_AFTER}
+    with gateway_on(fault_engine, redis_url) as gateway:
+        url = f"{gateway.url}/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=CUT_STREAMS)) as client:
+            outcomes = await asyncio.gather(
+                *(read_stream(client, url, gateway.headers, body) for _ in range(CUT_STREAMS))
+            )
+    short = [outcome.tokens for outcome in outcomes if outcome.tokens != CUT_AFTER + 1]
+    figures("engine_cut.streams_missing_chunks", len(short), "streams", f"of {CUT_STREAMS}, cut after {CUT_AFTER}")
+    for index, outcome in enumerate(outcomes):
+        assert_ended_with_one_error(outcome, f"stream {index}")
+    # The role chunk and every token the engine sent, then the error event.
+    assert not short, f"{len(short)} of {CUT_STREAMS} streams lost chunks the engine had sent: {short}"

@@ -151,3 +151,21 @@ def test_a_valid_request_is_served_by_this_setup(client: httpx.Client, fake_engi
     answer = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
     assert answer.status_code == 200
     assert fake_engine.requests()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("best_of", "x"), ("best_of", [1]), ("logit_bias", "x"), ("logit_bias", {"1": "x"})],
+    ids=repr,
+)
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_wrong_type_in_a_field_the_gateway_reads_is_a_400_naming_it(
+    client: httpx.Client, route: str, field: str, value: Any
+) -> None:
+    # Before: `best_of` was not declared for chat, so "x" reached the choice cap's comparison: a 500.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "prompt": "x", field: value}
+    answer = client.post(route, json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["content-type"].startswith("application/json")
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"].startswith(field), error

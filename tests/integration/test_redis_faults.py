@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis as redis_sync
 import redis.asyncio as redis_asyncio
 from pydantic import SecretStr
 
@@ -102,23 +103,33 @@ async def _connected_clients(url: str) -> int:
         await probe.aclose()
 
 
+@contextlib.asynccontextmanager
+async def _gateway_with_key(
+    private_redis: PrivateRedis, engine: FakeEngineControl, name: str, limits: KeyLimits
+) -> AsyncIterator[tuple[ServerProcess, dict[str, str]]]:
+    """`nemotron-gateway serve` on the private Redis, and the headers of a new key `name` with `limits`."""
+    settings = _settings(private_redis.url)
+    connection = connect_redis(settings)
+    try:
+        _, secret = await KeyStore(connection, settings).create(name, limits)
+    finally:
+        await connection.aclose()
+    env = {"NEMOTRON_AUTH__SECRET": PEPPER, "NEMOTRON_RELAY__PROBE_INTERVAL": "0.2"}
+    gateway = await asyncio.to_thread(run_gateway, engine.base_url, private_redis.url, env=env)
+    try:
+        yield gateway, {"Authorization": f"Bearer {secret}"}
+    finally:
+        await asyncio.to_thread(gateway.stop)
+
+
 # --- a restart under load: the dead pooled connections cost no request ---
 
 
 async def test_restart_under_load_with_a_grown_pool_costs_no_request_once_redis_answers(
     private_redis: PrivateRedis, engine: FakeEngineControl
 ) -> None:
-    settings = _settings(private_redis.url)
-    connection = connect_redis(settings)
-    try:
-        _, secret = await KeyStore(connection, settings).create("restart", KeyLimits(100_000, 0, 1_000))
-    finally:
-        await connection.aclose()
-    env = {"NEMOTRON_AUTH__SECRET": PEPPER, "NEMOTRON_RELAY__PROBE_INTERVAL": "0.2"}
-    gateway = await asyncio.to_thread(run_gateway, engine.base_url, private_redis.url, env=env)
-    headers = {"Authorization": f"Bearer {secret}"}
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "fake_token_delay": 0.05}
-    try:
+    async with _gateway_with_key(private_redis, engine, "restart", KeyLimits(100_000, 0, 1_000)) as (gateway, headers):
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{gateway.port}", timeout=30, limits=httpx.Limits(max_connections=100)
         ) as http:
@@ -137,8 +148,6 @@ async def test_restart_under_load_with_a_grown_pool_costs_no_request_once_redis_
             statuses = await burst(40)
             assert statuses.count(503) == 0, f"{statuses.count(503)} of 40 requests got 503 after the restart"
             assert statuses == [200] * 40, statuses
-    finally:
-        await asyncio.to_thread(gateway.stop)
 
 
 # --- a release that meets an outage is retried until Redis answers ---
@@ -173,6 +182,56 @@ async def test_a_failed_release_frees_the_slot_as_soon_as_redis_answers_again(
         await limiter.release(again)
     finally:
         await limiter.stop()
+
+
+# --- an admission that timed out during a stall, run by Redis when it resumes, frees its slot ---
+
+
+def _lease_count(url: str, key_name: str) -> int:
+    probe = redis_sync.Redis.from_url(url, socket_timeout=5)
+    try:
+        return int(probe.zcard(f"nemotron:rl:{{{key_name}}}:lease"))
+    finally:
+        probe.close()
+
+
+async def _first_token(http: httpx.AsyncClient, headers: dict[str, str], opened: list[int]) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": True, "fake_token_delay": 0.05}
+    async with http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+        opened.append(response.status_code)
+        if response.status_code == 200:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    await asyncio.sleep(1.0)  # both streams open together, then hang up
+                    return
+
+
+async def test_an_admission_that_timed_out_in_a_redis_stall_frees_its_slot_when_redis_resumes(
+    private_redis: PrivateRedis, engine: FakeEngineControl
+) -> None:
+    # Before: the timed-out admission was still queued in the stopped Redis and ran when it resumed; nobody
+    # released its lease, so a key of two slots could open only one stream until the 30 s lease TTL passed.
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    async with _gateway_with_key(private_redis, engine, "stalled", KeyLimits(0, 0, 2)) as (gateway, headers):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=30) as http:
+            assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 200  # key warm
+            private_redis.signal(signal.SIGSTOP)
+            try:
+                stalled = await http.post("/v1/completions", json=body, headers=headers)
+                await asyncio.sleep(1.0)  # the admission's deadline has passed: its script waits in Redis
+            finally:
+                private_redis.signal(signal.SIGCONT)
+            resumed = time.monotonic()
+            assert stalled.status_code == 503, stalled.text
+            await async_wait_until(
+                lambda: _lease_count(private_redis.url, "stalled") == 0,
+                within=5,
+                message="the stalled admission's slot is still held",
+            )
+            print(f"slot freed {time.monotonic() - resumed:.2f} s after Redis resumed")  # noqa: T201  # README figure
+            opened: list[int] = []
+            await asyncio.gather(*(_first_token(http, headers, opened) for _ in range(2)))
+            assert opened == [200, 200], opened
 
 
 # --- a reply lost after the command ran: the retry does not charge twice ---

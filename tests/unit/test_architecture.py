@@ -28,9 +28,11 @@ SERVICES = ("gateway/auth/", "gateway/ratelimit/", "gateway/relay/", "gateway/su
 WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.deps", "gateway.app")
 ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/supervisor/", "gateway/doctor/")
 # The doctor checks what the supervisor would start: settings, errors, its own modules and the supervisor's
-# data about the engine (profiles and the argv builder, the status file); nothing of the request path.
+# data about the engine (profiles and the argv builder, the status file); nothing of the request path but the
+# one Redis client factory (its Redis row connects as the gateway does: plain or Sentinel).
 DOCTOR_MAY_IMPORT = (
     "gateway.settings",
+    "gateway.redis_client",
     "gateway.errors",
     "gateway.doctor",
     "gateway.supervisor.profiles",

@@ -1,4 +1,5 @@
-"""RedisCalls, the one boundary around Redis calls: one deadline, one retry after a connection error, one mapping."""
+"""RedisCalls, the one boundary around Redis calls: one deadline, one retry after a connection error, one mapping;
+and connect_redis, the one factory (plain or Sentinel)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from pydantic import SecretStr
+from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import KeyStoreUnavailableError
-from gateway.redis_client import RedisCalls, connect_redis
+from gateway.redis_client import RedisCalls, close_redis, connect_redis, ping_redis
 from gateway.settings import RedisSettings, Settings
 
 pytestmark = pytest.mark.timeout(10)
@@ -77,3 +79,49 @@ async def test_the_client_checks_pooled_connections_before_use() -> None:
         assert not client.connection_pool.maint_notifications_enabled()
     finally:
         await client.aclose()
+
+
+async def test_readonly_is_retried_once() -> None:
+    # A replica refuses a write before running it (a failover behind a plain URL): safe to send again.
+    work, runs = _work(ReadOnlyError("You can't write against a read only replica."), "ok")
+    assert await _calls()(work) == "ok"
+    assert runs == [2]
+
+
+async def test_a_sentinel_url_gets_a_sentinel_managed_pool_with_the_settings_timeouts() -> None:
+    settings = Settings(
+        redis_url=SecretStr("redis+sentinel://app:s%40cret@10.0.0.1:26379,10.0.0.2,[::1]:26380/cache/2"),
+        redis=RedisSettings(connect_timeout=0.3, socket_timeout=0.4, sentinel_password=SecretStr("sentinel-pw")),
+    )
+    client = connect_redis(settings)
+    try:
+        pool = client.connection_pool
+        assert isinstance(pool, SentinelConnectionPool)
+        assert pool.service_name == "cache" and pool.is_master
+        kwargs = pool.connection_kwargs
+        assert (kwargs["db"], kwargs["username"], kwargs["password"]) == (2, "app", "s@cret")
+        assert (kwargs["socket_connect_timeout"], kwargs["socket_timeout"]) == (0.3, 0.4)
+        sentinels = pool.sentinel_manager.sentinels
+        addresses = [
+            (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+            for s in sentinels
+        ]
+        assert addresses == [("10.0.0.1", 26379), ("10.0.0.2", 26379), ("::1", 26380)]
+        first = sentinels[0].get_connection_kwargs()
+        assert first["password"] == "sentinel-pw" and first["socket_timeout"] == 0.4
+        # A dead Sentinel costs one refused connection, not redis-py's default ten retries with backoff.
+        assert sentinels[0].get_retry().get_retries() == 0  # type: ignore[union-attr]  # set above
+    finally:
+        await close_redis(client)
+
+
+async def test_no_master_known_is_a_503() -> None:
+    # Every Sentinel refuses: redis-py's MasterNotFoundError is a connection error, retried once, then mapped.
+    client = connect_redis(Settings(redis_url=SecretStr("redis+sentinel://127.0.0.1:1,127.0.0.1:9/mymaster")))
+    try:
+        with pytest.raises(KeyStoreUnavailableError) as caught:
+            await _calls()(client.ping)
+        assert isinstance(caught.value.__cause__, MasterNotFoundError)
+        assert await ping_redis(Settings(redis_url=SecretStr("redis+sentinel://127.0.0.1:1/mymaster"))) is not None
+    finally:
+        await close_redis(client)

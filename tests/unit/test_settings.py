@@ -11,7 +11,15 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsError
 
 from gateway.cli import build_parser, load_settings, main
-from gateway.settings import DEFAULT_SYSTEM_MESSAGE, RedisSettings, RelaySettings, Settings, unknown_variables
+from gateway.settings import (
+    DEFAULT_SYSTEM_MESSAGE,
+    RedisSettings,
+    RelaySettings,
+    Settings,
+    masked_redis_url,
+    parse_redis_url,
+    unknown_variables,
+)
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -255,3 +263,42 @@ def test_unknown_variables_name_the_closest_setting(tmp_path: Path, monkeypatch:
     assert len(warnings) == 2, warnings
     assert "NEMOTRON_REDIS_ULR (in the environment) is not a setting; did you mean NEMOTRON_REDIS_URL?" in warnings
     assert any("NEMOTRON_RELAY__CHUNK_TIMOUT" in w and "NEMOTRON_RELAY__CHUNK_TIMEOUT?" in w for w in warnings)
+
+
+def test_a_sentinel_url_is_read_into_its_parts() -> None:
+    address = parse_redis_url("redis+sentinel://user:p%40ss@h1:26380,h2,[::1]:26381/my%20master/4")
+    assert address is not None
+    assert address.sentinels == (("h1", 26380), ("h2", 26379), ("::1", 26381))
+    assert (address.service, address.db, address.username) == ("my master", 4, "user")
+    assert address.password is not None and address.password.get_secret_value() == "p@ss"
+    assert "p@ss" not in repr(address)
+    plain = parse_redis_url("redis+sentinel://h1/mymaster")
+    assert plain is not None and (plain.db, plain.password, plain.username) == (0, None, None)
+    assert parse_redis_url("redis://:pw@host:6379/0") is None  # redis-py reads every other URL
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis+sentinel://:hunter2@h1:26379", "names the master"),
+        ("redis+sentinel://:hunter2@h1:26379/", "names the master"),
+        ("redis+sentinel://:hunter2@h1:notaport/m", "bad port for Sentinel h1"),
+        ("redis+sentinel://:hunter2@h1:70000/m", "bad port"),
+        ("redis+sentinel://:hunter2@h1,,h2/m", "one is empty"),
+        ("redis+sentinel://:hunter2@[::1/m", "IPv6"),
+        ("redis+sentinel://:hunter2@h1/m/x", "/<master name>[/<db number>]"),
+        ("redis+sentinel://:hunter2@h1/m/0/extra", "/<master name>[/<db number>]"),
+        ("redis+sentinel://:hunter2@h1/m/0?password=x", "no query"),
+    ],
+)
+def test_a_bad_sentinel_url_fails_at_startup_without_quoting_the_password(url: str, says: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        Settings(redis_url=SecretStr(url))
+    assert says in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+
+
+def test_masked_redis_url_hides_the_password_of_either_form() -> None:
+    assert masked_redis_url("redis+sentinel://:pw@h1:26379,h2/m/0") == "redis+sentinel://:***@h1:26379,h2/m/0"
+    assert masked_redis_url("redis://user:pw@host:6379/0") == "redis://user:***@host:6379/0"
+    assert masked_redis_url("redis://host:6379/0") == "redis://host:6379/0"
