@@ -225,7 +225,7 @@ def loaded(step: Step, target: str) -> dict[str, Any]:
     url = a.gateway if target == "gateway" else a.direct
     keys = (a.batch_key, a.interactive_key) if target == "gateway" else (None, None)
     batch = bench.start(step.load(url, "batch"), a.work, f"{target}-loaded-batch", keys[0])
-    saturated_after = wait_for(a.direct, "saturated", 120.0)
+    saturated_after = wait_for(a.direct, "saturated", 60.0)
     sampler = QueueSampler(a.direct).start()
     interactive = bench.start(step.load(url, "interactive"), a.work, f"{target}-loaded-interactive", keys[1])
     [measured] = bench.finish([interactive], min(a.phase_timeout, step.left()))
