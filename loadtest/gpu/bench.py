@@ -7,7 +7,8 @@ usage from `response.completed`). The gateway's key travels as `OPENAI_API_KEY` 
 client reads it), never as `--header` (vLLM's client prints its arguments, headers included).
 
 `start`/`finish` run one bench process each (several at once for two keys or a split load) and read each child's
-own CPU seconds from `os.wait4`, so a client-bound point shows as a client near one full core. Imports no vLLM
+own CPU seconds from `os.wait4` and its share of a core while the benchmark ran (from /proc), so a client-bound
+point shows as a client near one full core. Imports no vLLM
 at module level and nothing from `gateway`.
 """
 
@@ -122,8 +123,8 @@ def _cpu(pid: int) -> float | None:
 
 def finish(clients: Sequence[Client], timeout_s: float) -> list[dict[str, Any]]:
     """Wait for clients together (SIGKILL at the time box) and summarise each: vLLM's figures, its exit, its CPU
-    (all of it from wait4, and its busiest second while running, sampled from /proc every 0.5 s: a client near
-    1.0 core is what would bound a point)."""
+    (all of it from wait4, and its share of a core over the benchmark's own duration, sampled from /proc every
+    0.5 s: a client near 1.0 core is what would bound a point)."""
     deadline = time.monotonic() + timeout_s
     samples: dict[str, list[tuple[float, float]]] = {c.name: [] for c in clients}
     reaped: dict[str, tuple[int, float, float, bool]] = {}
@@ -149,28 +150,29 @@ def finish(clients: Sequence[Client], timeout_s: float) -> list[dict[str, Any]]:
             elif cpu is not None:
                 samples[client.name].append((now, cpu))
         time.sleep(0.5)
-    return [_summary(client, *reaped[client.name], _peak_share(samples[client.name])) for client in clients]
+    return [_summary(client, *reaped[client.name], samples[client.name]) for client in clients]
 
 
-def _peak_share(samples: list[tuple[float, float]]) -> float:
-    """The largest CPU share over any stretch of at least 1 s between samples."""
-    peak = 0.0
-    for i, (t0, c0) in enumerate(samples):
-        for t1, c1 in samples[i + 1 :]:
-            if t1 - t0 >= 1.0:
-                peak = max(peak, (c1 - c0) / (t1 - t0))
-                break
-    return round(peak, 3)
+def run_share(samples: list[tuple[float, float]], duration: float) -> float | None:
+    """The client's CPU share (cores) over the last `duration` seconds it was seen alive: the benchmark itself,
+    not its start (importing vLLM, making the prompts), which is CPU-bound whatever the load."""
+    if duration <= 0 or len(samples) < 2:
+        return None
+    end, cpu_end = samples[-1]
+    earlier = [(t, c) for t, c in samples if t <= end - duration] or samples[:1]
+    start, cpu_start = earlier[-1]
+    return round((cpu_end - cpu_start) / (end - start), 3) if end > start else None
 
 
 def _summary(
-    client: Client, returncode: int, cpu: float, wall: float, timed_out: bool, peak_share: float
+    client: Client, returncode: int, cpu: float, wall: float, timed_out: bool, samples: list[tuple[float, float]]
 ) -> dict[str, Any]:
     summary = summarise(client.result)
     lines = _log_lines(client.log)
+    share = run_share(samples, summary.get("duration_s") or 0.0)
     return {
         **summary,
-        "client": {"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "peak_cpu_share": peak_share},
+        "client": {"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "run_cpu_share": share},
         "returncode": returncode,
         "timed_out": timed_out,
         "prompts_realigned": any("re-aligning prompts" in line for line in lines),

@@ -194,15 +194,15 @@ def _target(point: dict[str, Any]) -> str:
 
 
 def _client_share(point: dict[str, Any]) -> str:
-    shares = [c["peak_cpu_share"] for c in point.get("client_cpu") or ()]
-    return " + ".join(f"{share:.2f}" for share in shares) if shares else "-"
+    shares = [c.get("run_cpu_share") for c in point.get("client_cpu") or ()]
+    return " + ".join("-" if share is None else f"{share:.2f}" for share in shares) if shares else "-"
 
 
 def markdown(points: list[dict[str, Any]]) -> str:
     """The sweep as a Markdown table, one row per point in the order run."""
     lines = [
         "| target | c | ok/requests | errors | output tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | "
-        "CPU s/1k tok gateway | vLLM API | engine core | client peak CPU (cores) |",
+        "CPU s/1k tok gateway | vLLM API | engine core | client CPU while running (cores) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in points:

@@ -35,7 +35,7 @@ def test_the_table_has_one_row_per_point_with_errors_summed() -> None:
         "itl_p99_ms": 160.25,
         "cpu_s_per_1k_tokens": {"gateway": 0.05, "vllm-api": 0.25, "engine-core": 0.5},
         "clients": 2,
-        "client_cpu": [{"peak_cpu_share": 0.61}, {"peak_cpu_share": 0.58}],
+        "client_cpu": [{"run_cpu_share": 0.61}, {"run_cpu_share": 0.58}],
     }
     rows = markdown([point]).splitlines()
     assert len(rows) == 3
