@@ -27,8 +27,9 @@ from gateway.validation import param_path
 logger = logging.getLogger(__name__)
 
 
-def _error_response(error: GatewayError) -> Response:
-    return Response(error.to_json(), error.status_code, headers=error.headers, media_type="application/json")
+def _error_response(error: GatewayError, body: bytes | None = None) -> Response:
+    content = error.to_json() if body is None else body
+    return Response(content, error.status_code, headers=error.headers, media_type="application/json")
 
 
 async def _on_gateway_error(request: Request, exc: Exception) -> Response:
@@ -52,11 +53,12 @@ async def _on_unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 class _Dispatcher:
-    """Every request against the route table: the hot completion routes straight to their handlers, the
-    other served routes to FastAPI, anything else a 404 or 405 in OpenAI's envelope.
+    """Every request against the route table: the relayed APIs to the one relay handler and the stored-response
+    routes to theirs, the other served routes to FastAPI, anything else a 404 or 405 in OpenAI's envelope.
 
-    Starlette's routing layers cost ~14% of the gateway's CPU per request (loadtest profile); the two
-    hot routes skip them. Errors are answered exactly as the app's handlers answer them.
+    Starlette's routing layers cost ~14% of the gateway's CPU per request (loadtest profile); the hot routes
+    skip them. Their errors come in the row's envelope (OpenAI's, or Anthropic's on the Messages routes); the
+    dispatcher names the row and its API on the request record, for the metrics and the access log.
     """
 
     def __init__(self, app: Any, metrics: GatewayMetrics, table: RouteTable) -> None:
@@ -72,22 +74,30 @@ class _Dispatcher:
         if route is None:
             await _error_response(self.table.refusal(scope["method"], scope["path"]))(scope, receive, send)
             return
-        if route.handler is None:
+        record = scope["state"]["record"]
+        record.route, record.api = route.path, route.api
+        if not route.hot:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive, send)
         try:
-            response = await route.handler(request)
+            if route.relayed is not None:
+                response = await openai.relay(request, route.relayed)
+            else:
+                assert route.handler is not None
+                response = await route.handler(request)
         except GatewayError as exc:
-            scope["state"]["record"].cause = exc.cause
-            response = _error_response(exc)
+            record.cause = exc.cause
+            response = _error_response(exc, route.render(exc))
         except ClientDisconnect:
             # The client hung up while sending its body: nobody to answer, nothing went wrong here.
             scope["state"]["record"].client_disconnected = True
             self.metrics.client_disconnects.labels("upload").inc()
             response = Response(status_code=499)
         except Exception as exc:
-            response = await _on_unexpected_error(request, exc)
+            logger.exception("unhandled error in request %s", record.request_id, exc_info=exc)
+            error = InternalError("The gateway failed to handle the request; it has been logged.")
+            response = _error_response(error, route.render(error))
         await response(scope, receive, send)
 
 

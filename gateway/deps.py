@@ -13,7 +13,7 @@ from gateway.errors import AuthenticationError
 from gateway.requestlog import RequestRecord
 from gateway.services import Services
 
-_MISSING_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'."
+_MISSING_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...' (or 'x-api-key: sk-...')."
 
 
 def get_services(request: Request) -> Services:
@@ -29,10 +29,11 @@ def get_record(request: Request) -> RequestRecord:
 
 
 def bearer_token(request: Request) -> str | None:
-    """The token of an `Authorization: Bearer <token>` header, or None."""
+    """The token of an `Authorization: Bearer <token>` header, else of an `x-api-key` header (what Anthropic's SDK
+    sends), or None."""
     header = request.headers.get("authorization")
     if header is None:
-        return None
+        return request.headers.get("x-api-key", "").strip() or None
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 

@@ -12,8 +12,10 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      ├─ PermissionDeniedError    403  permission_error        code=model_not_allowed
      │   └─ MetricsForbiddenError 403                     code=metrics_forbidden
      ├─ NotFoundError            404  invalid_request_error   code=model_not_found
-     │   └─ RouteNotFoundError   404  invalid_request_error   code=unknown_url
+     │   ├─ RouteNotFoundError   404  invalid_request_error   code=unknown_url
+     │   └─ ResponseNotFoundError 404                     code=response_not_found
      ├─ RateLimitError           429  rate_limit_error        code=rate_limit_exceeded, + Retry-After
+     │   └─ QuotaExceededError   429  insufficient_quota      code=insufficient_quota (a spent token budget)
      ├─ InternalError            500  internal_error
      └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
          ├─ EngineUnavailableError    503  code=engine_unavailable
@@ -25,7 +27,8 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
          └─ EngineTimeoutError        504  code=engine_timeout
 
 The HTTP status comes from the class, never from message text: OpenAI SDKs pick the exception
-class they raise from the status, so the status is what must be right.
+class they raise from the status, so the status is what must be right. The Anthropic Messages routes render
+the same errors in Anthropic's envelope (`to_anthropic_body`), whose `type` is derived from the status.
 """
 
 from __future__ import annotations
@@ -35,6 +38,17 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import orjson
+
+# Anthropic's error types by status (its SDK picks the exception class from the status as well).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class GatewayError(Exception):
@@ -59,6 +73,17 @@ class GatewayError(Exception):
     def to_json(self) -> bytes:
         """The envelope serialised, ready to be sent as a body or an SSE data line."""
         return orjson.dumps(self.to_openai_body())
+
+    def to_anthropic_body(self) -> dict[str, Any]:
+        """The error as Anthropic's envelope: `{"type": "error", "error": {"type", "message"}}`."""
+        kind = _ANTHROPIC_TYPES.get(self.status_code)
+        if kind is None:
+            kind = "invalid_request_error" if self.status_code < 500 else "api_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def to_anthropic_json(self) -> bytes:
+        """Anthropic's envelope serialised."""
+        return orjson.dumps(self.to_anthropic_body())
 
 
 class InvalidRequestError(GatewayError):
@@ -144,6 +169,12 @@ class RouteNotFoundError(NotFoundError):
     code = "unknown_url"
 
 
+class ResponseNotFoundError(NotFoundError):
+    """A stored Responses API answer that does not exist, is another key's, or is not kept (the store is off)."""
+
+    code = "response_not_found"
+
+
 class InternalError(GatewayError):
     """An unexpected failure inside the gateway; the message stays generic."""
 
@@ -184,6 +215,13 @@ class RateLimitError(_RetryableError):
         # limit: the exhausted one, for the metrics: requests, tokens, concurrency or failed_auth.
         super().__init__(message, retry_after=retry_after, param=param, headers=headers)
         self.cause = limit
+
+
+class QuotaExceededError(RateLimitError):
+    """A token budget of the key (daily or monthly) is spent; `Retry-After` is the end of its window."""
+
+    type = "insufficient_quota"
+    code = "insufficient_quota"
 
 
 class ServiceUnavailableError(_RetryableError):

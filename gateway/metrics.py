@@ -6,6 +6,7 @@ engine's `vllm:` prefix, never a secret as a label.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
@@ -65,6 +66,18 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
+        self.api_requests = Counter(
+            "nemotron_gateway_api_requests",
+            "Requests of the relayed APIs answered, by API (chat, completions, responses, messages) and HTTP status.",
+            ["api", "status"],
+            registry=r,
+        )
+        self.api_tokens = Counter(
+            "nemotron_gateway_api_tokens",
+            "Tokens the engine reported, by API and kind (prompt, completion, reasoning: part of completion).",
+            ["api", "kind"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "nemotron_gateway_requests_in_flight",
             "Requests being served right now.",
@@ -99,8 +112,8 @@ class GatewayMetrics:
         )
         self.rate_limited = Counter(
             "nemotron_gateway_rate_limited",
-            "Requests refused 429, by the exhausted limit (requests, tokens, concurrency, failed_auth: an address "
-            "blocked for guessing keys).",
+            "Requests refused 429, by the exhausted limit (requests, tokens, concurrency, budget: a spent token "
+            "budget, failed_auth: an address blocked for guessing keys).",
             ["limit"],
             registry=r,
         )
@@ -129,6 +142,24 @@ class GatewayMetrics:
             ["key", "kind"],
             registry=r,
         )
+        # Token budgets: the last figures this gateway saw at an admission (several workers: the most recent one).
+        self.key_budget = Gauge(
+            "nemotron_gateway_key_budget_tokens",
+            "A key's token budget, by key name and window (day, month; NEMOTRON_METRICS__PER_KEY).",
+            ["key", "window"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.key_budget_used = Gauge(
+            "nemotron_gateway_key_budget_used_tokens",
+            "Tokens a key used of its budget in the current window (charged up front, reconciled at the end), by key "
+            "name and window, as of its last admission.",
+            ["key", "window"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        # Key name -> window -> (budget, used) children, looked up once (see set_key_budget).
+        self._budget_children: dict[str, dict[str, tuple[Any, Any]]] = {}
         self.redis_call_duration = Histogram(
             "nemotron_gateway_redis_call_duration_seconds",
             "Time of one Redis call through the gateway's Redis boundary, retry included.",
@@ -140,6 +171,17 @@ class GatewayMetrics:
             "Redis calls that failed (after the one retry), answered as the key store being unavailable.",
             registry=r,
         )
+
+    def count_api(
+        self, api: str, status: int, prompt: int | None, completion: int | None, reasoning: int | None
+    ) -> None:
+        """Count one request of a relayed API and the tokens the engine reported for it (few, fixed label values)."""
+        self.api_requests.labels(api, str(status)).inc()
+        if prompt is not None and completion is not None:
+            self.api_tokens.labels(api, "prompt").inc(prompt)
+            self.api_tokens.labels(api, "completion").inc(completion)
+        if reasoning is not None:
+            self.api_tokens.labels(api, "reasoning").inc(reasoning)
 
     def count_key(self, name: str, status: int, prompt: int | None, completion: int | None) -> None:
         """Count one request of key `name` (nothing when per-key labels are off)."""
@@ -159,6 +201,33 @@ class GatewayMetrics:
             children.prompt.inc(prompt)
             children.completion.inc(completion)
 
+    def set_key_budget(self, name: str, daily: int, monthly: int, day_used: int, month_used: int) -> None:
+        """Export key `name`'s budgets (0: none) and its use of them (nothing when per-key labels are off)."""
+        if not self.per_key:
+            return
+        windows = self._budget_children.get(name)
+        if windows is None:
+            self.forgotten.discard(name)
+            windows = self._budget_children[name] = {}
+        for window, budget, used in (("day", daily, day_used), ("month", monthly, month_used)):
+            children = windows.get(window)
+            if budget:
+                if children is None:
+                    children = windows[window] = (
+                        self.key_budget.labels(name, window),
+                        self.key_budget_used.labels(name, window),
+                    )
+                children[0].set(budget)
+                children[1].set(used)
+            elif children is not None:
+                del windows[window]
+                self._remove_budget(name, window)
+
+    def _remove_budget(self, name: str, window: str) -> None:
+        for gauge in (self.key_budget, self.key_budget_used):
+            with contextlib.suppress(KeyError):
+                gauge.remove(name, window)
+
     def forget_key(self, name: str) -> None:
         """Stop exporting a key's series (revoked or changed; "*": every key), so per-key cardinality follows the
         live keys. A key still in use starts new series: Prometheus reads the reset as a counter restart."""
@@ -174,6 +243,9 @@ class GatewayMetrics:
                 self.key_requests.remove(key, str(status))
             for kind in ("prompt", "completion"):
                 self.key_tokens.remove(key, kind)
+        for key in list(self._budget_children) if name == "*" else [name]:
+            for window in self._budget_children.pop(key, {}):
+                self._remove_budget(key, window)
 
 
 class _KeyChildren:

@@ -146,7 +146,8 @@ class RequestContextMiddleware:
 
     def _finish(self, scope: Scope, record: RequestRecord, status: int, duration: float) -> None:
         path = scope["path"]
-        route = path if path in self.routes else "other"
+        # The dispatcher names the served row (a template for a path with an id); other paths are "other".
+        route = record.route or (path if path in self.routes else "other")
         metrics = self.metrics
         children = self._by_route.get((route, status))
         if children is None:
@@ -163,6 +164,8 @@ class RequestContextMiddleware:
         if record.prompt_tokens is not None and completion is not None:
             metrics.tokens.labels("prompt").inc(record.prompt_tokens)
             metrics.tokens.labels("completion").inc(completion)
+        if record.api is not None:
+            metrics.count_api(record.api, status, record.prompt_tokens, completion, record.reasoning_tokens)
         if record.key_name is not None:
             metrics.count_key(record.key_name, status, record.prompt_tokens, completion)
         if status == 429:
@@ -176,7 +179,7 @@ class RequestContextMiddleware:
 def _text_line(scope: Scope, record: RequestRecord, status: int, duration: float, ttft: float | None) -> None:
     client = scope.get("client")
     access_logger.info(
-        '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s%s',
+        '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s api=%s%s',
         loggable(client[0]) if client else "-",
         loggable(scope["method"]),
         loggable(scope["path"]),
@@ -189,6 +192,7 @@ def _text_line(scope: Scope, record: RequestRecord, status: int, duration: float
         "-" if record.prompt_tokens is None else record.prompt_tokens,
         "-" if record.completion_tokens is None else record.completion_tokens,
         "-" if ttft is None else f"{ttft * 1000:.1f}ms",
+        record.api or "-",
         f" engine_error={record.engine_error}" if record.engine_error else "",
     )
 
@@ -204,6 +208,7 @@ def _json_line(scope: Scope, record: RequestRecord, status: int, duration: float
         "model": record.model,
         "method": scope["method"],
         "route": scope["path"],
+        "api": record.api,
         "status": status,
         "stream": record.stream,
         "prompt_tokens": record.prompt_tokens,

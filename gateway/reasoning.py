@@ -20,7 +20,7 @@ from gateway.settings import EngineSettings
 from gateway.supervisor.presets import ReasoningSwitch, reasoning_switch
 from gateway.supervisor.profiles import ProfileError
 
-__all__ = ["ReasoningSwitch", "apply_reasoning", "served_switch"]
+__all__ = ["ReasoningSwitch", "apply_reasoning", "apply_responses_reasoning", "served_switch"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,3 +114,24 @@ def apply_reasoning(data: dict[str, Any], switch: ReasoningSwitch) -> None:
         data["chat_template_kwargs"] = {**(data.get("chat_template_kwargs") or {}), "enable_thinking": enabled}
         return
     _set_system_line(data["messages"], _DETAILED[enabled], switch)
+
+
+def apply_responses_reasoning(data: dict[str, Any], switch: ReasoningSwitch) -> None:
+    """The Responses API's `reasoning.effort` translated into `switch`, in place, as `apply_reasoning` does for
+    chat: `instructions` is the system message a line goes into. `reasoning` stays for vLLM (its summary)."""
+    reasoning = data.get("reasoning") or {}
+    effort = reasoning.get("effort")
+    if switch is ReasoningSwitch.NONE or effort is None:
+        return
+    instructions = data.get("instructions")
+    chat_view: dict[str, Any] = {
+        "reasoning_effort": effort,
+        "messages": [] if instructions is None else [{"role": "system", "content": instructions}],
+    }
+    if data.get("chat_template_kwargs") is not None:
+        chat_view["chat_template_kwargs"] = data["chat_template_kwargs"]
+    apply_reasoning(chat_view, switch)
+    if "chat_template_kwargs" in chat_view:
+        data["chat_template_kwargs"] = chat_view["chat_template_kwargs"]
+    if chat_view["messages"]:
+        data["instructions"] = chat_view["messages"][0]["content"]

@@ -52,16 +52,43 @@ class RequestRecord:
     # The id the engine saw: the client's id plus a random suffix, so two clients sending the same
     # X-Request-ID never collide inside the engine (the client still gets its own id back).
     engine_request_id: str | None = None
+    # The API the route serves (chat, completions, responses, messages) and its route label (a path template).
+    api: str | None = None
+    route: str | None = None
+    # The id of a Responses API answer (`resp_...`), for the stored-response ownership.
+    response_id: str | None = None
 
     def take_usage(self, usage: Any) -> None:
-        """Record the engine's `usage` object (ignored when malformed)."""
-        if isinstance(usage, dict):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int) and isinstance(completion, int):
-                self.prompt_tokens, self.completion_tokens = prompt, completion
-            details = usage.get("completion_tokens_details")
-            if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
-                self.reasoning_tokens = details["reasoning_tokens"]
+        """Record the engine's `usage` object (ignored when malformed): OpenAI's chat and completion names
+        (`prompt_tokens`, `completion_tokens`), the Responses API's (`input_tokens`, `output_tokens`, with
+        `output_tokens_details.reasoning_tokens`) or Anthropic's (`input_tokens` less the cache's counts)."""
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("completion_tokens_details")
+        if prompt is None and completion is None:
+            prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+            details = usage.get("output_tokens_details")
+            if isinstance(prompt, int):
+                # Anthropic counts cached prompt tokens apart; the prompt is their sum.
+                prompt += sum(
+                    count
+                    for count in (usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens"))
+                    if isinstance(count, int)
+                )
+        if isinstance(prompt, int) and isinstance(completion, int):
+            self.prompt_tokens, self.completion_tokens = prompt, completion
+        if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+            self.reasoning_tokens = details["reasoning_tokens"]
+
+    def take_answer(self, answer: dict[str, Any]) -> None:
+        """Record what an engine answer or stream event says about the exchange: its usage (top level, or in a
+        Responses event's `response`) and a Responses answer's id."""
+        response = answer.get("response")
+        inner = response if isinstance(response, dict) else answer
+        if inner.get("object") == "response" and isinstance(inner.get("id"), str):
+            self.response_id = inner["id"]
+        self.take_usage(answer.get("usage") if "usage" in answer else inner.get("usage"))
 
     @property
     def total_tokens(self) -> int | None:

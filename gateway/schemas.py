@@ -164,3 +164,109 @@ class CompletionRequest(_SamplingFields):
 def _token_ids(items: list[Any]) -> bool:
     # `type(...) is int` rather than isinstance: True and False are ints to Python, not token ids.
     return bool(items) and all(type(item) is int and 0 <= item < _TOKEN_ID_BOUND for item in items)
+
+
+def _items_of_dicts(value: Any, what: str) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(item, dict) for item in value):
+        return value
+    raise ValueError(f"{what} must be a string or a list of objects")
+
+
+class ResponsesReasoning(_Strict):
+    """The Responses API's `reasoning`: `effort` is the switch (gateway/reasoning.py)."""
+
+    effort: ReasoningEffort | None = None
+    summary: StrictStr | None = None
+
+
+class ResponsesInputItem(_Strict):
+    """One item of a Responses `input` list: a message (`role` + `content`) or another typed item."""
+
+    type: StrictStr | None = None
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: Any = None
+
+    _content = field_validator("content", mode="before")(lambda value: _items_of_dicts(value, "content"))
+
+    @model_validator(mode="after")
+    def _typed_or_message(self) -> ResponsesInputItem:
+        if self.type is None and self.role is None:
+            raise ValueError("an input item needs a 'role' (a message) or a 'type'")
+        return self
+
+
+class ResponsesRequest(_Strict):
+    """Body of POST /v1/responses (OpenAI's Responses API)."""
+
+    model: StrictStr
+    input: StrictStr | list[ResponsesInputItem]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    stream: bool | None = None
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: StrictStr | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Probability | None = None
+    reasoning: ResponsesReasoning | None = None
+    tools: list[dict[str, Any]] | None = None
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            return value
+        raise ValueError("input must be a non-empty string or a non-empty list of input items (objects)")
+
+
+class AnthropicBlock(_Strict):
+    """One content block of an Anthropic message or system prompt; text blocks carry a string `text`."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_block_has_text(self) -> AnthropicBlock:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a content block of type 'text' needs a string 'text'")
+        return self
+
+
+class AnthropicMessage(_Strict):
+    """An Anthropic message: role `user` or `assistant`, content a string or a list of blocks."""
+
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[AnthropicBlock]
+
+    _content = field_validator("content", mode="before")(lambda value: _items_of_dicts(value, "content"))
+
+
+class AnthropicCountTokensRequest(_Strict):
+    """Body of POST /v1/messages/count_tokens."""
+
+    model: StrictStr
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: StrictStr | list[AnthropicBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    thinking: dict[str, Any] | None = None
+
+    _system = field_validator("system", mode="before")(lambda value: _items_of_dicts(value, "system"))
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    """Body of POST /v1/messages (Anthropic's Messages API)."""
+
+    max_tokens: StrictInt = Field(ge=1)
+    stream: bool | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: Probability | None = None
+    top_k: StrictInt | None = Field(None, ge=0)
+    stop_sequences: list[StrictStr] | None = None
+    metadata: dict[str, Any] | None = None

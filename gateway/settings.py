@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import zoneinfo
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -154,6 +155,11 @@ class AuthSettings(_Group):
     failed_auth_block: float = Field(
         300.0, gt=0, description="Seconds a blocked client address is answered 429 without its key being checked."
     )
+    audit_max_entries: int = Field(
+        100_000,
+        ge=100,
+        description="Most entries kept in the audit trail of key changes (a Redis stream, trimmed approximately).",
+    )
 
 
 class RateLimitSettings(_Group):
@@ -185,11 +191,37 @@ class RateLimitSettings(_Group):
         10.0, gt=0, description="Seconds between renewals of this process's live slots; must be below `lease_ttl`."
     )
     fail_open: bool = Field(
-        False, description="While Redis is down, admit requests without limits (default: fail closed, 503)."
+        False,
+        description="While Redis is down, admit requests without limits or token budgets, uncharged (default: fail "
+        "closed, 503).",
     )
     usage_retention_days: int = Field(
-        90, ge=1, description="Days the per-key daily usage counters (requests, tokens) are kept in Redis."
+        400,
+        ge=1,
+        description="Days the per-key daily usage counters (requests and tokens by API, for billing) are kept in "
+        "Redis.",
     )
+    # Token budgets (per key, daily and monthly): their windows and what a key without its own budget gets.
+    budget_timezone: str = Field(
+        "UTC",
+        description="IANA time zone whose midnights start the daily and monthly token budget windows (e.g. "
+        "`Europe/Berlin`); usage for billing is always by UTC day.",
+    )
+    daily_tokens: int | None = Field(
+        None, ge=1, description="Default daily token budget for keys without their own (unset: unlimited)."
+    )
+    monthly_tokens: int | None = Field(
+        None, ge=1, description="Default monthly token budget for keys without their own (unset: unlimited)."
+    )
+
+    @field_validator("budget_timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        try:
+            zoneinfo.ZoneInfo(value)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {value!r}: use an IANA name such as UTC or Europe/Berlin") from None
+        return value
 
     @model_validator(mode="after")
     def _renew_before_expiry(self) -> RateLimitSettings:
@@ -257,6 +289,16 @@ class EngineSettings(_Group):
     )
     log_lines: int = Field(200, ge=10, description="Engine output lines kept to show when start-up fails.")
     run_doctor: bool = Field(True, description="Run the fatal preflight checks before spawning the engine.")
+    responses_store: bool = Field(
+        False,
+        description="Keep Responses API answers in the engine (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, which the "
+        "supervisor sets from this): `previous_response_id`, `background`, GET and cancel of /v1/responses/{id} "
+        "work, each only for the key that created the response. In the engine's memory, never evicted, lost when "
+        "it restarts. The gateway reads the same setting.",
+    )
+    responses_store_ttl: float = Field(
+        86400.0, gt=0, description="Seconds the gateway remembers which key created a stored response."
+    )
 
     @model_validator(mode="before")
     @classmethod

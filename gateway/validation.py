@@ -17,9 +17,16 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.bounds import ROLE_MARKER, TYPE_MARKER, BodyBounds, count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.reasoning import apply_reasoning, served_switch
+from gateway.reasoning import apply_reasoning, apply_responses_reasoning, served_switch
 from gateway.relay.model import ModelInfo
-from gateway.schemas import ROLES, ChatCompletionRequest, CompletionRequest
+from gateway.schemas import (
+    ROLES,
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+)
 from gateway.settings import Settings
 
 # Four characters a token is the usual estimate for English text; it only sizes the up-front
@@ -157,8 +164,11 @@ class _Route:
     budget_fields: tuple[str, ...]
     # The lists validation walks entry by entry, counted before they are (messages, a batch's prompts, parts, ...).
     bounds: BodyBounds
-    # How many prompts the engine completes (a batch completes each).
+    # How many prompts the engine completes (a batch completes each); 0: none (counting tokens only).
     prompts: Callable[[dict[str, Any]], int]
+    # Whether the API has OpenAI's `stream_options` (the Responses and Messages APIs report usage in their
+    # streams' last events anyway).
+    stream_options: bool = True
 
 
 def _check_choices(data: dict[str, Any], settings: Settings) -> int:
@@ -235,9 +245,12 @@ def _prepare(
     _validate(route.schema, data)
     model = _resolve_model(data["model"], settings, info)
     data["model"] = model
-    choices = _check_choices(data, settings) * route.prompts(data)
+    choices = (_check_choices(data, settings) if route.stream_options else 1) * route.prompts(data)
     max_tokens = _check_budget(data, route, info)
-    stream, wants_usage = _apply_stream_policy(data)
+    if route.stream_options:
+        stream, wants_usage = _apply_stream_policy(data)
+    else:
+        stream, wants_usage = data.get("stream") is True, True
     estimate = apply_policy(data)
     return PreparedRequest(
         body=_serialise(data),
@@ -309,3 +322,93 @@ def _prompt_estimate(data: dict[str, Any]) -> int:
 def prepare_completion(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
     """Validate a text completion request and apply policy; raises InvalidRequestError / NotFoundError."""
     return _prepare(body, _COMPLETION, settings, info, _prompt_estimate)
+
+
+_RESPONSES = _Route(
+    schema=ResponsesRequest,
+    budget_fields=("max_output_tokens",),
+    bounds=BodyBounds(
+        items_field="input",
+        items=lambda data: count_entries(data, "input"),
+        # Typed items carry a `"type"` but not always a `"role"`: the items are counted after parsing.
+        entries=("input[].content", "tools", "metadata"),
+        entry_marker=TYPE_MARKER,
+    ),
+    prompts=lambda data: 1,
+    stream_options=False,
+)
+_MESSAGES_BOUNDS = BodyBounds(
+    items_field="messages",
+    items=lambda data: count_entries(data, "messages"),
+    item_marker=ROLE_MARKER,
+    entries=("messages[].content", "system", "tools", "stop_sequences"),
+    entry_marker=TYPE_MARKER,
+)
+_MESSAGES = _Route(
+    schema=AnthropicMessagesRequest,
+    budget_fields=("max_tokens",),
+    bounds=_MESSAGES_BOUNDS,
+    prompts=lambda data: 1,
+    stream_options=False,
+)
+# Counting tokens generates nothing: the token charge is the prompt's estimate alone.
+_COUNT_TOKENS = _Route(
+    schema=AnthropicCountTokensRequest,
+    budget_fields=("max_tokens",),
+    bounds=_MESSAGES_BOUNDS,
+    prompts=lambda data: 0,
+    stream_options=False,
+)
+
+# Requests that need the engine's response store, by the field that asks for it.
+_STORED_STATE = ("previous_response_id", "background")
+STORE_OFF = (
+    "Stored responses are off on this gateway (the operator's NEMOTRON_ENGINE__RESPONSES_STORE), so {what} is not "
+    "available; send the whole conversation in 'input' instead."
+)
+
+
+def prepare_responses(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    """Validate a Responses API request and apply policy: `instructions` is the system message for the default
+    system message, `reasoning.effort` the reasoning switch; requests needing the response store are refused
+    when it is off. Raises InvalidRequestError / NotFoundError."""
+
+    def policy(data: dict[str, Any]) -> int:
+        if not settings.engine.responses_store:
+            for field in _STORED_STATE:
+                if data.get(field):
+                    raise InvalidRequestError(STORE_OFF.format(what=f"'{field}'"), param=field)
+        if settings.inject_system_message and data.get("instructions") is None and not _has_system_item(data):
+            data["instructions"] = settings.default_system_message
+        apply_responses_reasoning(data, served_switch(settings.engine))
+        text = _text_length(data.get("instructions"))
+        source = data["input"]
+        text += len(source) if isinstance(source, str) else sum(_text_length(i.get("content")) for i in source)
+        return text // _CHARS_PER_TOKEN + 1
+
+    return _prepare(body, _RESPONSES, settings, info, policy)
+
+
+def _has_system_item(data: dict[str, Any]) -> bool:
+    source = data["input"]
+    return isinstance(source, list) and any(item.get("role") in ("system", "developer") for item in source)
+
+
+def _messages_policy(settings: Settings) -> Callable[[dict[str, Any]], int]:
+    def policy(data: dict[str, Any]) -> int:
+        if settings.inject_system_message and data.get("system") is None:
+            data["system"] = settings.default_system_message
+        text = _text_length(data.get("system")) + sum(_text_length(m.get("content")) for m in data["messages"])
+        return text // _CHARS_PER_TOKEN + 1
+
+    return policy
+
+
+def prepare_messages(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    """Validate an Anthropic Messages request and apply the default system message (`system`)."""
+    return _prepare(body, _MESSAGES, settings, info, _messages_policy(settings))
+
+
+def prepare_count_tokens(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    """Validate an Anthropic count_tokens request (as a Messages request would be counted)."""
+    return _prepare(body, _COUNT_TOKENS, settings, info, _messages_policy(settings))

@@ -1,4 +1,5 @@
-"""The `nemotron-gateway keys ...` verbs: create, list, show, revoke, rotate and set API keys in Redis.
+"""The `nemotron-gateway keys ...` verbs: create, list, show, revoke, rotate and set API keys in Redis; read their
+usage by day and API (`usage`) and the trail of changes to them (`audit`).
 
 Talks to Redis directly with the server's settings. A new secret is printed alone on the last line of
 stdout (for scripts: `| tail -n1`) and nowhere else. Exit codes: 0 done, 1 failed, 2 bad usage.
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
+import io
 import re
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -33,6 +36,12 @@ _LIMIT_FLAGS = (
     ("tpm", "tokens_per_minute", "tokens (prompt + completion) per minute"),
     ("max_concurrency", "max_concurrency", "requests in flight at once"),
 )
+# Token budgets: flag, KeyLimits field, window (limits.budget_timezone), BudgetUsage field.
+_BUDGET_FLAGS = (
+    ("daily_tokens", "daily_tokens", "day", "day"),
+    ("monthly_tokens", "monthly_tokens", "month", "month"),
+)
+_USAGE_FIELDS = ("requests", "tokens", "prompt_tokens", "completion_tokens", "reasoning_tokens")
 
 
 def parse_duration(text: str) -> timedelta:
@@ -57,6 +66,7 @@ def add_keys_parser(
     create = verbs.add_parser("create", help="Create a key; prints its secret on the last line.")
     create.add_argument("--name", required=True, help="Unique name: letters, digits, '.', '_', '-'.")
     _add_limit_flags(create)
+    _add_budget_flags(create)
     create.add_argument("--expires-in", type=_duration_arg, metavar="DURATION", help="e.g. 30d, 12h, 90m.")
     create.add_argument("--models", type=_models_arg, metavar="M,...", help="Models the key may use (default all).")
 
@@ -70,20 +80,42 @@ def add_keys_parser(
     revoke = verbs.add_parser("revoke", help="Revoke a key for good (within a second, on every gateway).")
     revoke.add_argument("name")
 
+    delete = verbs.add_parser("delete", help="Delete a key's record (it stops working; the audit trail keeps it).")
+    delete.add_argument("name")
+
     rotate = verbs.add_parser("rotate", help="Replace a key's secret; prints the new one on the last line.")
     rotate.add_argument("name")
 
     update = verbs.add_parser("set", help="Change a key's limits, models or disabled flag.")
     update.add_argument("name")
     _add_limit_flags(update, allow_default=True)
+    _add_budget_flags(update, allow_default=True)
+    update.add_argument(
+        "--force", action="store_true", help="Set a token budget even below what the key used this window."
+    )
     update.add_argument(
         "--models", type=_models_arg, default=argparse.SUPPRESS, metavar="M,...", help="Models ('*': all)."
     )
     enabled = update.add_mutually_exclusive_group()
     enabled.add_argument("--disable", dest="disabled", action="store_true", default=None, help="Disable the key.")
     enabled.add_argument("--enable", dest="disabled", action="store_false", help="Enable it again.")
+    usage = verbs.add_parser("usage", help="Requests and tokens by key, UTC day and API (for billing).")
+    usage.add_argument("name", nargs="?", help="One key (default: every key).")
+    usage.add_argument("--since", type=_date_arg, metavar="YYYY-MM-DD", help="First UTC day (default: 30 days ago).")
+    usage_format = usage.add_mutually_exclusive_group()
+    usage_format.add_argument("--json", action="store_true", help="JSON instead of a table.")
+    usage_format.add_argument("--csv", action="store_true", help="CSV instead of a table.")
+
+    audit = verbs.add_parser("audit", help="The trail of changes to keys: who changed what, and when.")
+    audit.add_argument("name", nargs="?", help="One key (default: every key).")
+    audit.add_argument("--limit", type=_positive_arg, default=100, metavar="N", help="Newest N entries (100).")
+    audit.add_argument("--json", action="store_true", help="JSON instead of text.")
+    for changing in (create, revoke, delete, rotate, update):
+        changing.add_argument(
+            "--operator", metavar="NAME", help="Who makes the change, for the audit trail (default: the OS user)."
+        )
     if common is not None:
-        for verb in (create, listing, show, revoke, rotate, update):
+        for verb in (create, listing, show, revoke, delete, rotate, update, usage, audit):
             common(verb)
 
 
@@ -108,7 +140,7 @@ def run_keys(args: argparse.Namespace, settings: Settings) -> int:
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
     redis = connect_redis(settings)
     try:
-        store = KeyStore(redis, settings)
+        store = KeyStore(redis, settings, operator=getattr(args, "operator", None))
         limiter = RedisRateLimiter(redis, settings)
         verb: str = args.keys_verb
         if verb == "create":
@@ -120,12 +152,19 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif verb == "revoke":
             await store.revoke(args.name)
             _out(f"Revoked API key '{args.name}'; it stops working on every gateway within a second.")
+        elif verb == "delete":
+            await store.delete(args.name)
+            _out(f"Deleted API key '{args.name}'; it stops working on every gateway within a second.")
         elif verb == "rotate":
             secret = await store.rotate(args.name)
             _out(f"Rotated API key '{args.name}'; the old secret no longer works. New secret (shown once):")
             _out(secret)
         elif verb == "set":
-            await _set(store, args)
+            await _set(store, limiter, args)
+        elif verb == "usage":
+            await _usage(store, limiter, args)
+        elif verb == "audit":
+            await _audit(store, args)
         else:
             raise InvalidRequestError(f"unknown verb {verb!r}")
     finally:
@@ -141,6 +180,8 @@ async def _create(store: KeyStore, args: argparse.Namespace) -> None:
             requests_per_minute=getattr(args, "rpm", None),
             tokens_per_minute=getattr(args, "tpm", None),
             max_concurrency=getattr(args, "max_concurrency", None),
+            daily_tokens=getattr(args, "daily_tokens", None),
+            monthly_tokens=getattr(args, "monthly_tokens", None),
         ),
         expires_at=datetime.now(UTC) + expires_in if expires_in is not None else None,
         models=None if args.models in (None, [_ALL_MODELS]) else args.models,
@@ -149,11 +190,15 @@ async def _create(store: KeyStore, args: argparse.Namespace) -> None:
     _out(secret)
 
 
-async def _set(store: KeyStore, args: argparse.Namespace) -> None:
+async def _set(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Namespace) -> None:
     changes_limits = any(hasattr(args, flag) for flag, _, _ in _LIMIT_FLAGS)
+    changes_limits = changes_limits or any(hasattr(args, flag) for flag, _, _, _ in _BUDGET_FLAGS)
     models: list[str] | None = getattr(args, "models", None)
     if not changes_limits and models is None and args.disabled is None:
-        raise InvalidRequestError("nothing to change: give --rpm, --tpm, --max-concurrency, --models or --disable")
+        raise InvalidRequestError(
+            "nothing to change: give --rpm, --tpm, --max-concurrency, --daily-tokens, --monthly-tokens, --models "
+            "or --disable"
+        )
     limits = None
     if changes_limits:
         own = (await store.get(args.name)).limits
@@ -161,7 +206,11 @@ async def _set(store: KeyStore, args: argparse.Namespace) -> None:
             requests_per_minute=getattr(args, "rpm", own.requests_per_minute),
             tokens_per_minute=getattr(args, "tpm", own.tokens_per_minute),
             max_concurrency=getattr(args, "max_concurrency", own.max_concurrency),
+            daily_tokens=getattr(args, "daily_tokens", own.daily_tokens),
+            monthly_tokens=getattr(args, "monthly_tokens", own.monthly_tokens),
         )
+        if not args.force:
+            await _check_budgets_above_use(limiter, args)
     if limits is not None or models is not None:
         everything = models == [_ALL_MODELS]
         await store.set_limits(args.name, limits, None if everything else models, all_models=everything)
@@ -202,6 +251,8 @@ async def _list(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, 
 async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, name: str, *, as_json: bool) -> None:
     key = await store.get(name)
     row = _describe(key, (await limiter.usage([key.name]))[key.name], settings)
+    budget = await limiter.budget_usage(key.name)
+    row["budget_used"] = {"day": budget.day, "month": budget.month}
     if as_json:
         _out(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode())
         return
@@ -214,6 +265,8 @@ async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, 
         ("requests/min", _limit_cell(row, "requests_per_minute")),
         ("tokens/min", _limit_cell(row, "tokens_per_minute")),
         ("max concurrency", _limit_cell(row, "max_concurrency")),
+        ("tokens/day", f"{_limit_cell(row, 'daily_tokens')} (used {budget.day})"),
+        ("tokens/month", f"{_limit_cell(row, 'monthly_tokens')} (used {budget.month})"),
         ("models", ", ".join(row["models"]) if row["models"] is not None else "all"),
         ("requests today", str(row["usage_today"]["requests"])),
         ("tokens today", str(row["usage_today"]["tokens"])),
@@ -222,6 +275,71 @@ async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, 
         _out(f"{label + ':':<17}{value}")
     if any(value is None for value in row["own_limits"].values()):
         _out("* server default (NEMOTRON_LIMITS__*)")
+
+
+async def _check_budgets_above_use(limiter: RedisRateLimiter, args: argparse.Namespace) -> None:
+    """InvalidRequestError when a new budget is below what the key already used in its current window."""
+    used = await limiter.budget_usage(args.name)
+    for flag, _, window, field in _BUDGET_FLAGS:
+        budget: int | None = getattr(args, flag, None)
+        spent: int = getattr(used, field)
+        if budget and budget < spent:
+            raise InvalidRequestError(
+                f"--{flag.replace('_', '-')} {budget} is below the {spent} tokens '{args.name}' already used this "
+                f"{window}; the key would be refused until the {window} ends. Give --force to set it anyway."
+            )
+
+
+async def _usage(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Namespace) -> None:
+    names = [(await store.get(args.name)).name] if args.name else [key.name for key in await store.list()]
+    today = datetime.now(UTC).date()
+    since: date = args.since or today - timedelta(days=30)
+    if since > today:
+        raise InvalidRequestError(f"--since {since.isoformat()} is in the future (today is {today.isoformat()}, UTC)")
+    rows = [
+        {"key": row.name, "day": row.day.isoformat(), "api": row.api, **{f: getattr(row, f) for f in _USAGE_FIELDS}}
+        for row in await limiter.usage_by_api(names, since)
+    ]
+    if args.json:
+        _out(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
+        return
+    header = ["key", "day", "api", *_USAGE_FIELDS]
+    if args.csv:
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(header)
+        writer.writerows([row[column] for column in header] for row in rows)
+        sys.stdout.write(buffer.getvalue())
+        return
+    _table([[column.upper() for column in header], *([str(row[column]) for column in header] for row in rows)])
+    if not rows:
+        _out(f"no usage since {since.isoformat()} (UTC)")
+
+
+async def _audit(store: KeyStore, args: argparse.Namespace) -> None:
+    entries = [entry.as_json() for entry in await store.audit.read(args.name, args.limit)]
+    if args.json:
+        _out(orjson.dumps(entries, option=orjson.OPT_INDENT_2).decode())
+        return
+    for entry in entries:
+        changed = ", ".join(
+            f"{field}: {_audit_value(entry['before'], field)} -> {_audit_value(entry['after'], field)}"
+            for field in dict.fromkeys([*entry["before"], *entry["after"]])
+        )
+        who = f"{entry['at']}  {entry['operator']}  {entry['action']}"
+        _out(f"{who}  {entry['name']} ({entry['prefix']}...)  {changed}")
+    if not entries:
+        _out("no changes recorded" + (f" for '{args.name}'" if args.name else ""))
+
+
+def _audit_value(fields: dict[str, Any], field: str) -> str:
+    return orjson.dumps(fields[field]).decode() if field in fields else "-"
+
+
+def _table(table: list[list[str]]) -> None:
+    widths = [max(len(line[column]) for line in table) for column in range(len(table[0]))]
+    for line in table:
+        _out("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
 
 
 def _describe(key: ApiKey, usage: Usage, settings: Settings) -> dict[str, Any]:
@@ -238,11 +356,15 @@ def _describe(key: ApiKey, usage: Usage, settings: Settings) -> dict[str, Any]:
             "requests_per_minute": _effective(own.requests_per_minute, defaults.requests_per_minute),
             "tokens_per_minute": _effective(own.tokens_per_minute, defaults.tokens_per_minute),
             "max_concurrency": _effective(own.max_concurrency, defaults.max_concurrency),
+            "daily_tokens": _effective(own.daily_tokens, defaults.daily_tokens),
+            "monthly_tokens": _effective(own.monthly_tokens, defaults.monthly_tokens),
         },
         "own_limits": {
             "requests_per_minute": own.requests_per_minute,
             "tokens_per_minute": own.tokens_per_minute,
             "max_concurrency": own.max_concurrency,
+            "daily_tokens": own.daily_tokens,
+            "monthly_tokens": own.monthly_tokens,
         },
         "models": list(key.models) if key.models is not None else None,
         "usage_today": {"day": usage.day.isoformat(), "requests": usage.requests, "tokens": usage.tokens},
@@ -288,6 +410,32 @@ def _limit_arg(text: str) -> int | None:
     if value < 0:
         raise argparse.ArgumentTypeError("limits are 0 (unlimited) or more")
     return value
+
+
+def _add_budget_flags(parser: argparse.ArgumentParser, *, allow_default: bool = False) -> None:
+    for flag, _, window, _ in _BUDGET_FLAGS:
+        extra = "; 'default': the server default" if allow_default else ""
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}",
+            dest=flag,
+            type=_limit_arg,
+            default=argparse.SUPPRESS,
+            metavar="N",
+            help=f"Token budget per {window} (NEMOTRON_LIMITS__BUDGET_TIMEZONE; 0: unlimited{extra}).",
+        )
+
+
+def _date_arg(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a date as YYYY-MM-DD, got {text!r}") from None
+
+
+def _positive_arg(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return int(text)
 
 
 def _duration_arg(text: str) -> timedelta:

@@ -65,9 +65,12 @@ class KeyLimits:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrency: int | None = None
+    # Token budgets per window (`NEMOTRON_LIMITS__BUDGET_TIMEZONE` days and months).
+    daily_tokens: int | None = None
+    monthly_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for field in ("requests_per_minute", "tokens_per_minute", "max_concurrency"):
+        for field in ("requests_per_minute", "tokens_per_minute", "max_concurrency", "daily_tokens", "monthly_tokens"):
             value = getattr(self, field)
             if value is not None and value < 0:
                 raise InvalidRequestError(f"{field} must be 0 (unlimited) or more", param=field)

@@ -40,6 +40,18 @@ redis.call('PUBLISH', ARGV[2], ARGV[3])
 return 1
 """
 
+# KEYS: record, name set. ARGV: digest prefix, channel, name. 0 if no such key. The record goes for good (its name
+# may be used again); the audit trail keeps what it was.
+DELETE = """
+local digest = redis.call('HGET', KEYS[1], 'digest')
+if not digest then return 0 end
+if digest ~= '' then redis.call('DEL', ARGV[1] .. digest) end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[3])
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return 1
+"""
+
 # KEYS: record, new digest index. ARGV: digest prefix, channel, name, new digest, new prefix.
 # 0 if no such key, -1 if it is revoked.
 ROTATE = """

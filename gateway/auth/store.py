@@ -18,6 +18,7 @@ import orjson
 import redis.asyncio as redis_asyncio
 
 from gateway.auth import scripts
+from gateway.auth.audit import KeyAudit
 from gateway.auth.keys import (
     INVALID_KEY_MESSAGE,
     ApiKey,
@@ -67,11 +68,14 @@ class KeyStore:
         redis: redis_asyncio.Redis,
         settings: Settings,
         metrics: GatewayMetrics | None = None,
+        operator: str | None = None,
     ) -> None:
         self._redis = redis
         self._settings = settings.auth
         self._hasher = KeyHasher(settings.auth.secret)
         self._calls = RedisCalls(settings, metrics)
+        # Every change below is recorded, with `operator` (default: the OS user), in the audit trail.
+        self.audit = KeyAudit(redis, self._calls, settings.auth.audit_max_entries, operator)
         # A revoked or changed key's per-key series stop being exported (bounded cardinality, issue 9).
         self._metrics = metrics
         self._cache: dict[str, _Entry] = {}
@@ -90,6 +94,7 @@ class KeyStore:
         self._revoke = redis.register_script(scripts.REVOKE)
         self._rotate = redis.register_script(scripts.ROTATE)
         self._update = redis.register_script(scripts.UPDATE)
+        self._delete = redis.register_script(scripts.DELETE)
 
     @property
     def hashes_keyed(self) -> bool:
@@ -163,6 +168,7 @@ class KeyStore:
         )
         if not created:
             raise KeyExistsError(f"An API key named '{name}' already exists.", param="name")
+        await self.audit.record("create", None, key)
         return key, secret
 
     async def get(self, name: str) -> ApiKey:
@@ -181,20 +187,34 @@ class KeyStore:
 
     async def revoke(self, name: str) -> None:
         """Revoke `name` for good: it stops working everywhere within a second; the record stays for audit."""
+        before = await self.get(name)
         args = [_DIGEST, INVALIDATION_CHANNEL, name, repr(time.time())]
         record = _RECORD + validate_name(name)
         found = await self._calls(lambda: self._revoke(keys=[record], args=args))
         if not found:
             raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
+        await self.audit.record("revoke", before, await self.get(name))
+
+    async def delete(self, name: str) -> None:
+        """Delete `name`'s record (revoked or not): it stops working everywhere within a second and its name is free
+        again; only the audit trail remembers it."""
+        before = await self.get(name)
+        args = [_DIGEST, INVALIDATION_CHANNEL, name]
+        found = await self._calls(lambda: self._delete(keys=[_RECORD + validate_name(name), _NAMES], args=args))
+        if not found:
+            raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
+        await self.audit.record("delete", before, None)
 
     async def rotate(self, name: str) -> str:
         """A new secret for `name`, keeping its name, limits and usage; the old secret stops working."""
+        before = await self.get(name)
         secret = generate_secret()
         digest = self._hasher.digest(secret)
         args = [_DIGEST, INVALIDATION_CHANNEL, name, digest, display_prefix(secret)]
         keys = [_RECORD + validate_name(name), _DIGEST + digest]
         result = await self._calls(lambda: self._rotate(keys=keys, args=args))
         self._raise_for_update(name, result)
+        await self.audit.record("rotate", before, await self.get(name))
         return secret
 
     async def set_limits(
@@ -213,11 +233,11 @@ class KeyStore:
             fields += ["models", ""]
         elif models is not None:
             fields += ["models", orjson.dumps(validate_models(tuple(models))).decode()]
-        return await self._apply(name, fields)
+        return await self._apply(name, fields, "set")
 
     async def set_disabled(self, name: str, disabled: bool) -> ApiKey:
         """Disable (or enable again) a key without revoking it."""
-        return await self._apply(name, ["disabled", "1" if disabled else "0"])
+        return await self._apply(name, ["disabled", "1" if disabled else "0"], "disable" if disabled else "enable")
 
     @staticmethod
     def check_model(key: ApiKey, model: str) -> None:
@@ -278,11 +298,15 @@ class KeyStore:
             self._last_fail_open_warning = now
             logger.warning("Redis unavailable (%s); admitting cached keys (auth.fail_open)", type(exc).__name__)
 
-    async def _apply(self, name: str, fields: builtins.list[str]) -> ApiKey:
+    async def _apply(self, name: str, fields: builtins.list[str], action: str = "set") -> ApiKey:
+        """Change `fields` of the record and record `action` with the fields before and after in the audit trail."""
+        before = await self.get(name)
         record = _RECORD + validate_name(name)
         result = await self._calls(lambda: self._update(keys=[record], args=[INVALIDATION_CHANNEL, name, *fields]))
         self._raise_for_update(name, result)
-        return await self.get(name)
+        after = await self.get(name)
+        await self.audit.record(action, before, after)
+        return after
 
     @staticmethod
     def _raise_for_update(name: str, result: int) -> None:
@@ -307,6 +331,10 @@ def _limit_fields(limits: KeyLimits) -> list[str]:
         _optional_int(limits.tokens_per_minute),
         "concurrency",
         _optional_int(limits.max_concurrency),
+        "daily_tokens",
+        _optional_int(limits.daily_tokens),
+        "monthly_tokens",
+        _optional_int(limits.monthly_tokens),
     ]
 
 
@@ -360,6 +388,8 @@ def _fields_to_key(raw: Mapping[bytes | str, bytes | str]) -> tuple[ApiKey, str]
             requests_per_minute=_parse_optional_int(fields.get("rpm")),
             tokens_per_minute=_parse_optional_int(fields.get("tpm")),
             max_concurrency=_parse_optional_int(fields.get("concurrency")),
+            daily_tokens=_parse_optional_int(fields.get("daily_tokens")),
+            monthly_tokens=_parse_optional_int(fields.get("monthly_tokens")),
         ),
         models=tuple(models) if models is not None else None,
     )

@@ -17,6 +17,7 @@ from pydantic import SecretStr
 
 from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, skipped, worst
+from gateway.doctor.engine_config import NOT_INSTALLED, EngineVerdict, ask_vllm, engine_checks
 from gateway.doctor.flags import engine_flags
 from gateway.doctor.gpu import (
     check_cuda_visible_devices,
@@ -50,7 +51,8 @@ from gateway.doctor.model import ModelFlags, check_model_dir, resolve_model
 from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
 from gateway.doctor.running import RunningEngine, running_engine
 from gateway.settings import Settings, masked_redis_url
-from gateway.supervisor.profiles import Profile
+from gateway.supervisor.launch import engine_python
+from gateway.supervisor.profiles import Profile, build_argv
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,12 @@ class DoctorConfig:
     model_size_bytes: int | None = None  # raises the free-disk floor above 15 GB when known
     cpu: bool = False  # the CPU profile: no GPU is needed
     environ: Mapping[str, str] | None = None  # None: this process's environment
+    # The engine's interpreter, its argv without the launcher, and the variables its profile adds: the context
+    # length and model config are then vLLM's own verdict. None: not asked (the gateway's own rules).
+    engine_python: str | None = None
+    engine_args: tuple[str, ...] = ()
+    engine_env: Mapping[str, str] = field(default_factory=dict)
+    verdict_cache: Path | None = None  # where vLLM's verdicts are kept (the state dir); None: not kept
 
 
 def hub_cache(env: Mapping[str, str]) -> Path:
@@ -192,7 +200,29 @@ def _model_checks(config: DoctorConfig, env: Mapping[str, str]) -> list[Check]:
         hf_overrides_error=config.hf_overrides_error,
         reasoning_parser=config.reasoning_parser,
     )
-    return check_model_dir(resolve_model(config.model, cache), flags, model=config.model)
+    path = resolve_model(config.model, cache)
+    checks = check_model_dir(path, flags, model=config.model)
+    if path is None or not (path / "config.json").is_file():
+        return checks  # no model config: its row already says so, and vLLM has nothing to read
+    return engine_checks(checks, _vllm_verdict(config, env, path, flags.tokenizer_dir), config.max_model_len)
+
+
+def _vllm_verdict(
+    config: DoctorConfig, env: Mapping[str, str], path: Path, tokenizer: Path | None
+) -> EngineVerdict | str:
+    """vLLM's verdict on the engine's argv, with what the doctor was told to check instead (its flags win)."""
+    if config.engine_python is None:
+        return NOT_INSTALLED
+    args = [*config.engine_args, "--model", str(path)]
+    if tokenizer is not None:
+        args += ["--tokenizer", str(tokenizer)]
+    if config.max_model_len is not None:
+        args += ["--max-model-len", str(config.max_model_len)]
+    if isinstance(config.chat_template, str | Path):
+        args += ["--chat-template", str(config.chat_template)]
+    directories = [path] if tokenizer is None else [path, tokenizer]
+    engine_env = {**env, **config.engine_env}
+    return ask_vllm(config.engine_python, args, engine_env, directories, config.verdict_cache)
 
 
 def run_checks(config: DoctorConfig) -> list[Check]:
@@ -228,4 +258,9 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         cache_dir=Path(flags.download_dir).expanduser() if flags.download_dir else None,
         # No GPU memory share among the flags: a CPU profile (cpu-dev), no GPU is needed.
         cpu=flags.gpu_memory_utilization is None,
+        # A custom launcher does not start the installed vLLM's server: there is no verdict of its to ask for.
+        engine_python=None if settings.engine.launcher else engine_python(settings),
+        engine_args=tuple(build_argv([], settings.engine, profile)) if settings.engine.model else (),
+        engine_env=dict(profile.env),
+        verdict_cache=settings.engine.state_dir,
     )

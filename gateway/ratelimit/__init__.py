@@ -1,22 +1,29 @@
-"""Per-key requests/min, tokens/min and concurrency, held across processes in Redis; the failed-auth guard."""
+"""Per-key requests/min, tokens/min, concurrency and token budgets, held across processes in Redis; the failed-auth
+guard."""
 
 from gateway.ratelimit.guard import FailedAuthGuard
 from gateway.ratelimit.limiter import (
+    BudgetWindows,
     EffectiveLimits,
     Lease,
     LimitedKey,
     RateLimiter,
+    TokenDetail,
     format_reset,
 )
-from gateway.ratelimit.redis import RedisRateLimiter, Usage
+from gateway.ratelimit.redis import ApiUsage, BudgetUsage, RedisRateLimiter, Usage
 
 __all__ = [
+    "ApiUsage",
+    "BudgetUsage",
+    "BudgetWindows",
     "EffectiveLimits",
     "FailedAuthGuard",
     "Lease",
     "LimitedKey",
     "RateLimiter",
     "RedisRateLimiter",
+    "TokenDetail",
     "Usage",
     "format_reset",
 ]

@@ -28,6 +28,12 @@ class KeyLimitsView(Protocol):
     @property
     def max_concurrency(self) -> int | None: ...
 
+    @property
+    def daily_tokens(self) -> int | None: ...
+
+    @property
+    def monthly_tokens(self) -> int | None: ...
+
 
 class LimitedKey(Protocol):
     """What the limiter needs of an API key (`gateway.auth.ApiKey` is one)."""
@@ -46,10 +52,37 @@ class EffectiveLimits:
     requests_per_minute: int
     tokens_per_minute: int
     max_concurrency: int
+    daily_tokens: int = 0
+    monthly_tokens: int = 0
 
     @property
     def unlimited(self) -> bool:
-        return not (self.requests_per_minute or self.tokens_per_minute or self.max_concurrency)
+        return not (
+            self.requests_per_minute
+            or self.tokens_per_minute
+            or self.max_concurrency
+            or self.daily_tokens
+            or self.monthly_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetWindows:
+    """The token budget windows a request is charged to: their Redis ids and milliseconds until each ends."""
+
+    day: str
+    month: str
+    day_left_ms: int
+    month_left_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDetail:
+    """A request's tokens as the engine reported them (None: not reported), for usage by API."""
+
+    prompt: int | None = None
+    completion: int | None = None
+    reasoning: int | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -61,6 +94,9 @@ class Lease:
     estimated_tokens: int
     limits: EffectiveLimits
     headers: dict[str, str] = field(default_factory=dict)
+    api: str = "other"  # the route's API label (chat, responses, ...), for usage by API
+    windows: BudgetWindows | None = None  # budget windows charged at admission (None: not admitted through Redis)
+    budget_charged: int = 0  # tokens charged to the budget counters up front (reconciled at release)
     degraded: bool = False  # admitted without Redis (`limits.fail_open`); nothing to release
     released: bool = False
 
@@ -77,11 +113,12 @@ class RateLimiter(Protocol):
         consuming anything or calling Redis: a cheap refusal before the request body is read."""
         ...
 
-    async def acquire(self, key: LimitedKey, estimated_tokens: int) -> Lease:
-        """A lease, or RateLimitError naming the exhausted limit (429, Retry-After, x-ratelimit-* headers)."""
+    async def acquire(self, key: LimitedKey, estimated_tokens: int, api: str = "other") -> Lease:
+        """A lease, or RateLimitError naming the exhausted limit (429, Retry-After, x-ratelimit-* headers);
+        a spent token budget is QuotaExceededError (429 `insufficient_quota`, Retry-After to the window's end)."""
         ...
 
-    async def release(self, lease: Lease, used_tokens: int | None = None) -> None:
+    async def release(self, lease: Lease, used_tokens: int | None = None, detail: TokenDetail | None = None) -> None:
         """Reconcile tokens (None keeps the estimate), free the slot and record usage; safe in `finally`."""
         ...
 

@@ -30,23 +30,27 @@ end
 """
 
 # KEYS: requests bucket, tokens bucket, leases (ZSET, score = expiry ms), admission marker of this lease, release
-# marker of this lease. ARGV: window ms, rpm, tpm, max concurrency, estimated tokens, lease id, lease ttl ms,
-# concurrency retry ms, marker ttl ms. Every limit is checked before anything is written, so a refused request
-# consumes nothing. An admitted lease leaves a marker holding its answer: the same lease admitted again (a retry
-# after a lost reply) gets that answer and is not charged twice. A lease already released is refused: its
-# admission timed out in the gateway, waited in a stalled Redis, and its release overtook it.
+# marker of this lease, tokens used in the budget's day and month (counters). ARGV: window ms, rpm, tpm, max
+# concurrency, estimated tokens, lease id, lease ttl ms, concurrency retry ms, marker ttl ms, daily budget, monthly
+# budget, ms until the day ends, ms until the month ends. Every limit is checked before anything is written, so a
+# refused request consumes nothing. An admitted lease leaves a marker holding its answer: the same lease admitted
+# again (a retry after a lost reply) gets that answer and is not charged twice, budgets included. A lease already
+# released is refused: its admission timed out in the gateway, waited in a stalled Redis, and its release overtook it.
 ACQUIRE = (
     BUCKET
     + """
-if redis.call('EXISTS', KEYS[5]) == 1 then return {1, tonumber(ARGV[8]), 0, 0} end
+if redis.call('EXISTS', KEYS[5]) == 1 then return {1, tonumber(ARGV[8]), 0, 0, 0, 0} end
 local done = redis.call('GET', KEYS[4])
 if done then
-  local gap = string.find(done, ' ')
-  return {0, 0, tonumber(string.sub(done, 1, gap - 1)), tonumber(string.sub(done, gap + 1))}
+  local answer = {0, 0}
+  for number in string.gmatch(done, '%d+') do answer[#answer + 1] = tonumber(number) end
+  return answer
 end
 local rpm, tpm, conc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost, ttl = tonumber(ARGV[5]), tonumber(ARGV[7])
+local daily, monthly = tonumber(ARGV[10]), tonumber(ARGV[11])
 local req, tok = level(KEYS[1], rpm), level(KEYS[2], tpm)
+local day, month = tonumber(redis.call('GET', KEYS[6]) or '0'), tonumber(redis.call('GET', KEYS[7]) or '0')
 local refused, retry = 0, 0
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
@@ -64,35 +68,68 @@ if tpm > 0 then
     if w > 0 then refused = refused + 4; retry = math.max(retry, w) end
   end
 end
+-- A budget admits a request only while its up-front charge fits in what is left; it refills when its window ends.
+if daily > 0 and day + cost > daily then refused = bit.bor(refused, 16); retry = math.max(retry, tonumber(ARGV[12])) end
+if monthly > 0 and month + cost > monthly then
+  refused = bit.bor(refused, 16); retry = math.max(retry, tonumber(ARGV[13]))
+end
 if refused == 0 then
   if rpm > 0 then req = req + window; store(KEYS[1], req, rpm) end
   if tpm > 0 and cost > 0 then tok = tok + cost * window; store(KEYS[2], tok, tpm) end
+  if (daily > 0 or monthly > 0) and cost > 0 then
+    day = redis.call('INCRBY', KEYS[6], cost)
+    month = redis.call('INCRBY', KEYS[7], cost)
+    if redis.call('PTTL', KEYS[6]) < 0 then redis.call('PEXPIRE', KEYS[6], ARGV[12] + 3600000) end
+    if redis.call('PTTL', KEYS[7]) < 0 then redis.call('PEXPIRE', KEYS[7], ARGV[13] + 3600000) end
+  end
   if conc > 0 then
     redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])
     redis.call('PEXPIRE', KEYS[3], 2 * ttl)
   end
-  redis.call('SET', KEYS[4], string.format('%.0f %.0f', req, tok), 'PX', ARGV[9])
+  redis.call('SET', KEYS[4], string.format('%.0f %.0f %.0f %.0f', req, tok, day, month), 'PX', ARGV[9])
 end
-return {refused, retry, req, tok}
+return {refused, retry, req, tok, day, month}
 """
 )
 
 # KEYS: tokens bucket, leases, usage of the day (HASH), last used (ms), release marker of this lease, its admission
-# marker. ARGV: window ms, tpm, used - estimated tokens, lease id, used tokens, retention seconds, requests served
-# (0|1), marker ttl ms, admission unconfirmed (0|1). Runs once per lease: a second release of it (a retry after a
-# lost reply) changes nothing. The release of an admission the gateway never saw answered refunds its charge only
-# if the admission ran (its marker is there; a lapsed marker keeps the charge, erring against the key).
+# marker, tokens used in the budget's day and month of the lease. ARGV: window ms, tpm, used - estimated tokens,
+# lease id, used tokens, retention seconds, requests served (0|1), marker ttl ms, admission unconfirmed (0|1), used -
+# tokens charged to the budget up front, ms until the budget's day and month end (as at admission), the API (route
+# label), prompt, completion and reasoning tokens as the engine reported them (-1: not reported). Runs once per
+# lease: a second release of it (a retry after a lost reply) changes nothing, so neither a bucket, a budget nor the
+# usage is charged twice. The release of an admission the gateway never saw answered refunds its charge (buckets and
+# budgets) only if the admission ran (its marker is there; a lapsed marker keeps the charge, erring against the key).
 RELEASE = (
     BUCKET
     + """
 if not redis.call('SET', KEYS[5], '1', 'NX', 'PX', ARGV[8]) then return 0 end
 local tpm, diff = tonumber(ARGV[2]), tonumber(ARGV[3])
-if ARGV[9] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then diff = 0 end
+local budget = tonumber(ARGV[10])
+if ARGV[9] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then diff = 0; budget = 0 end
 if tpm > 0 and diff ~= 0 then store(KEYS[1], math.max(0, level(KEYS[1], tpm) + diff * window), tpm) end
 redis.call('ZREM', KEYS[2], ARGV[4])
+if budget ~= 0 then
+  for i, counter in ipairs({KEYS[7], KEYS[8]}) do
+    if budget > 0 or redis.call('EXISTS', counter) == 1 then
+      if redis.call('INCRBY', counter, budget) <= 0 then
+        redis.call('DEL', counter)
+      elseif redis.call('PTTL', counter) < 0 then
+        redis.call('PEXPIRE', counter, math.max(1, tonumber(ARGV[10 + i])) + 3600000)
+      end
+    end
+  end
+end
 if ARGV[7] == '1' then
+  local api = ARGV[13]
   redis.call('HINCRBY', KEYS[3], 'requests', 1)
   redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
+  redis.call('HINCRBY', KEYS[3], api .. ':requests', 1)
+  redis.call('HINCRBY', KEYS[3], api .. ':tokens', ARGV[5])
+  for i, kind in ipairs({'prompt_tokens', 'completion_tokens', 'reasoning_tokens'}) do
+    local count = tonumber(ARGV[13 + i])
+    if count > 0 then redis.call('HINCRBY', KEYS[3], api .. ':' .. kind, count) end
+  end
   redis.call('EXPIRE', KEYS[3], ARGV[6])
   redis.call('SET', KEYS[4], string.format('%.0f', now), 'EX', ARGV[6])
 end

@@ -14,29 +14,39 @@ released in the background too, and a lease released first is never admitted.
 Buckets (requests and tokens) are GCRA in integer arithmetic: one request or token costs `window_ms`
 units, a bucket holds `limit * window_ms` units and drains `limit` units per millisecond. Exact integers
 (well below 2**53) let a key use precisely 100% of its limit, with no edge bursts and no float drift.
+
+Token budgets (daily and monthly, in `limits.budget_timezone`) are plain counters per window, charged up front
+in the admission script and reconciled in the release script like tokens/min, so they cost no extra round trip.
+Their windows are computed here from the gateway's clock (an injectable `clock`); the usage for billing is by UTC day
+and by API (the route's API label: chat, completions, responses, messages), written by the release script too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
-from collections.abc import Coroutine, Sequence
+import zoneinfo
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
+from datetime import time as day_start
 from typing import Any
 
 import redis.asyncio as redis_asyncio
 
 from gateway.background import BackgroundTask, Backoff
-from gateway.errors import KeyStoreUnavailableError, RateLimitError
+from gateway.errors import KeyStoreUnavailableError, QuotaExceededError, RateLimitError
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import lua
 from gateway.ratelimit.limiter import (
+    BudgetWindows,
     EffectiveLimits,
     Lease,
     LimitedKey,
+    TokenDetail,
     format_reset,
     rate_headers,
     rate_limit_error,
@@ -56,6 +66,7 @@ _REFUSED_CONCURRENCY = 1
 _REFUSED_REQUESTS = 2
 _REFUSED_TOKENS = 4
 _REFUSED_TOO_LARGE = 8
+_REFUSED_BUDGET = 16
 # Refusals a request's size does not change: `precheck` repeats them without Redis until they lapse.
 _REFUSED_WITHOUT_BODY = _REFUSED_CONCURRENCY | _REFUSED_REQUESTS
 _MAX_REMEMBERED_REFUSALS = 10_000
@@ -77,6 +88,34 @@ class Usage:
     last_used: datetime | None
 
 
+@dataclass(frozen=True, slots=True)
+class ApiUsage:
+    """One key's usage of one API on one UTC day, for billing: `tokens` is what was charged (the engine's
+    prompt + completion, or the up-front estimate where the engine reported no usage)."""
+
+    name: str
+    day: date
+    api: str
+    requests: int
+    tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetUsage:
+    """Tokens a key used in the current budget windows (day and month, `limits.budget_timezone`)."""
+
+    day: int
+    month: int
+    windows: BudgetWindows
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
 class RedisRateLimiter:
     """The RateLimiter shared by every gateway process through Redis.
 
@@ -84,8 +123,20 @@ class RedisRateLimiter:
     not renewed, because its process died, expires after `limits.lease_ttl`.
     """
 
-    def __init__(self, redis: redis_asyncio.Redis, settings: Settings, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self,
+        redis: redis_asyncio.Redis,
+        settings: Settings,
+        metrics: GatewayMetrics | None = None,
+        clock: Callable[[], datetime] = _utc_now,
+    ) -> None:
         self._redis = redis
+        self._metrics = metrics
+        # The budget windows' clock (aware datetimes); tests move it across midnights instead of waiting for them.
+        self._clock = clock
+        self._budget_zone = zoneinfo.ZoneInfo(settings.limits.budget_timezone)
+        # The current budget day: its start and end, the month's end, and their ids (see budget_windows).
+        self._window_bounds: tuple[float, float, float, str, str] | None = None
         self._settings = settings.limits
         self._window_ms = max(1, round(settings.limits.window * 1000))
         self._ttl_ms = max(1, round(settings.limits.lease_ttl * 1000))
@@ -157,13 +208,45 @@ class RedisRateLimiter:
             requests_per_minute=_resolve(own.requests_per_minute, defaults.requests_per_minute),
             tokens_per_minute=_resolve(own.tokens_per_minute, defaults.tokens_per_minute),
             max_concurrency=_resolve(own.max_concurrency, defaults.max_concurrency),
+            daily_tokens=_resolve(own.daily_tokens, defaults.daily_tokens),
+            monthly_tokens=_resolve(own.monthly_tokens, defaults.monthly_tokens),
         )
 
-    async def acquire(self, key: LimitedKey, estimated_tokens: int) -> Lease:
-        """A lease for one request of `key`, charging `estimated_tokens` up front; else RateLimitError."""
+    def budget_windows(self) -> BudgetWindows:
+        """The budget day and month containing the clock's now, and how long each has left."""
+        now = self._clock().timestamp()
+        bounds = self._window_bounds
+        if bounds is None or not bounds[0] <= now < bounds[1]:
+            # Time-zone arithmetic costs ~30 us: done once per day, not per request (bounds kept as epoch seconds).
+            local = datetime.fromtimestamp(now, self._budget_zone)
+            today = datetime.combine(local.date(), day_start(), self._budget_zone)
+            next_day = datetime.combine(local.date() + timedelta(days=1), day_start(), self._budget_zone)
+            first = local.date().replace(day=1)
+            next_month = datetime.combine((first + timedelta(days=32)).replace(day=1), day_start(), self._budget_zone)
+            edges = (today.timestamp(), next_day.timestamp(), next_month.timestamp())
+            bounds = self._window_bounds = (*edges, f"d{local:%Y%m%d}", f"m{local:%Y%m}")
+        _, next_day_at, next_month_at, day, month = bounds
+        return BudgetWindows(
+            day=day,
+            month=month,
+            day_left_ms=max(1, math.ceil((next_day_at - now) * 1000)),
+            month_left_ms=max(1, math.ceil((next_month_at - now) * 1000)),
+        )
+
+    async def budget_usage(self, name: str) -> BudgetUsage:
+        """Tokens `name` used in the current budget day and month (charged estimates of requests in flight too)."""
+        windows = self.budget_windows()
+        keys = _budget_keys(name, windows)
+        day, month = await self._calls(lambda: self._redis.mget(keys), unavailable=_UNAVAILABLE)
+        return BudgetUsage(day=int(day or 0), month=int(month or 0), windows=windows)
+
+    async def acquire(self, key: LimitedKey, estimated_tokens: int, api: str = "other") -> Lease:
+        """A lease for one request of `key` on `api` (the route's API label), charging `estimated_tokens` up
+        front; else RateLimitError, or QuotaExceededError for a spent token budget."""
         limits = self.effective_limits(key)
         tokens = max(0, estimated_tokens)
-        lease = Lease(key_name=key.name, lease_id=secrets.token_hex(8), estimated_tokens=tokens, limits=limits)
+        lease = Lease(key_name=key.name, lease_id=secrets.token_hex(8), estimated_tokens=tokens, limits=limits, api=api)
+        lease.windows = self.budget_windows()
         if limits.unlimited:
             return lease
         args: list[int | str] = [
@@ -176,8 +259,15 @@ class RedisRateLimiter:
             self._ttl_ms,
             _CONCURRENCY_RETRY_MS,
         ]
+        # Ours: the budget arguments follow the marker's ttl (added by _admit).
+        budget_args: list[int | str] = [
+            limits.daily_tokens,
+            limits.monthly_tokens,
+            lease.windows.day_left_ms,
+            lease.windows.month_left_ms,
+        ]
         # Shielded: a request cancelled (client gone) while the script runs must not leak what it admitted.
-        admission = asyncio.create_task(self._admit(key.name, lease.lease_id, args))
+        admission = asyncio.create_task(self._admit(key.name, lease, args, budget_args))
         try:
             result = await asyncio.shield(admission)
         except asyncio.CancelledError:
@@ -193,8 +283,11 @@ class RedisRateLimiter:
                 lease.degraded = True
                 return lease
             raise
-        refused, retry_ms, requests_used, tokens_used = result
+        refused, retry_ms, requests_used, tokens_used, day_used, month_used = result
         lease.headers = self._headers(limits, requests_used, tokens_used)
+        lease.headers |= _budget_headers(limits, day_used, month_used)
+        if refused & _REFUSED_BUDGET:
+            raise self._quota_refusal(key.name, limits, tokens, day_used, month_used, retry_ms, lease.headers)
         if refused:
             message = self._refusal(refused, limits, tokens, retry_ms)
             error = rate_limit_error(message, retry_ms, lease.headers, _exhausted(refused))
@@ -202,9 +295,13 @@ class RedisRateLimiter:
             raise error
         if limits.max_concurrency:
             self._live[lease.lease_id] = lease
+        if limits.daily_tokens or limits.monthly_tokens:
+            lease.budget_charged = tokens
+            if self._metrics is not None:
+                self._metrics.set_key_budget(key.name, limits.daily_tokens, limits.monthly_tokens, day_used, month_used)
         return lease
 
-    async def release(self, lease: Lease, used_tokens: int | None = None) -> None:
+    async def release(self, lease: Lease, used_tokens: int | None = None, detail: TokenDetail | None = None) -> None:
         """Reconcile, free the slot and record usage in one round trip. Idempotent, never raises for Redis,
         and runs to completion even if the awaiting request is cancelled."""
         if lease.released:
@@ -216,7 +313,7 @@ class RedisRateLimiter:
             del self._refusals[lease.key_name]  # a slot of this key frees now
         if lease.degraded:
             return
-        await asyncio.shield(self._spawn(self._finish(lease, used_tokens)))
+        await asyncio.shield(self._spawn(self._finish(lease, used_tokens, detail=detail)))
 
     async def usage(self, names: Sequence[str], day: date | None = None) -> dict[str, Usage]:
         """Requests and tokens of each key on `day` (UTC, default today) and when each was last used."""
@@ -241,27 +338,76 @@ class RedisRateLimiter:
             )
         return usage
 
-    async def _admit(self, name: str, lease_id: str, args: list[int | str]) -> tuple[int, int, int, int]:
-        keys = [*_bucket_keys(name), _marker_key(name, "admitted", lease_id), _marker_key(name, "released", lease_id)]
-        full_args = [*args, self._admitted_marker_ms]
-        result = await self._calls(lambda: self._acquire(keys=keys, args=full_args), unavailable=_UNAVAILABLE)
-        refused, retry_ms, requests_used, tokens_used = (int(value) for value in result)
-        return refused, retry_ms, requests_used, tokens_used
+    async def usage_by_api(self, names: Sequence[str], since: date, until: date | None = None) -> list[ApiUsage]:
+        """Each key's usage by UTC day and API from `since` to `until` (default today), days without use left out."""
+        until = until or self._clock().astimezone(UTC).date()
+        days = [since + timedelta(days=offset) for offset in range(max(0, (until - since).days + 1))]
 
-    def _release_orphan(self, admission: asyncio.Task[tuple[int, int, int, int]], lease: Lease) -> None:
+        async def read() -> list[Any]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for name in names:
+                    for day in days:
+                        _ = pipe.hgetall(_usage_day_key(name, day))
+                return await pipe.execute() if names and days else []
+
+        results = iter(await self._calls(read, unavailable=_UNAVAILABLE))
+        rows: list[ApiUsage] = []
+        for name in names:
+            for day in days:
+                counts = {field.decode(): int(value) for field, value in next(results).items()}
+                apis = sorted({field.rsplit(":", 1)[0] for field in counts if ":" in field})
+                for api in apis:
+                    rows.append(
+                        ApiUsage(
+                            name=name,
+                            day=day,
+                            api=api,
+                            **{
+                                kind: counts.get(f"{api}:{kind}", 0)
+                                for kind in (
+                                    "requests",
+                                    "tokens",
+                                    "prompt_tokens",
+                                    "completion_tokens",
+                                    "reasoning_tokens",
+                                )
+                            },
+                        )
+                    )
+        return rows
+
+    async def _admit(
+        self, name: str, lease: Lease, args: list[int | str], budget_args: list[int | str]
+    ) -> tuple[int, int, int, int, int, int]:
+        assert lease.windows is not None
+        keys = [
+            *_bucket_keys(name),
+            _marker_key(name, "admitted", lease.lease_id),
+            _marker_key(name, "released", lease.lease_id),
+            *_budget_keys(name, lease.windows),
+        ]
+        full_args = [*args, self._admitted_marker_ms, *budget_args]
+        result = await self._calls(lambda: self._acquire(keys=keys, args=full_args), unavailable=_UNAVAILABLE)
+        refused, retry_ms, requests_used, tokens_used, day_used, month_used = (int(value) for value in result)
+        return refused, retry_ms, requests_used, tokens_used, day_used, month_used
+
+    def _release_orphan(self, admission: asyncio.Task[tuple[int, int, int, int, int, int]], lease: Lease) -> None:
         if admission.cancelled() or admission.exception() is not None:
             self._release_unconfirmed_later(lease)
             return
         if not admission.result()[0]:
+            _charge_budget(lease)  # refunded by the release below
             _ = self._spawn(self._finish(lease, 0, served=False))  # kept in self._pending
 
     def _release_unconfirmed_later(self, lease: Lease) -> None:
         # The admission's script may still be queued in a stalled Redis and run when it resumes; its slot would
         # then be held until the lease TTL. Released (idempotently) once Redis answers, in one background task.
-        if lease.limits.max_concurrency == 0 and lease.limits.tokens_per_minute == 0:
+        limits = lease.limits
+        if not (limits.max_concurrency or limits.tokens_per_minute or limits.daily_tokens or limits.monthly_tokens):
             return  # nothing the admission could hold or charge that a release gives back
         if len(self._unconfirmed) >= _MAX_UNCONFIRMED:
             return
+        _charge_budget(lease)  # refunded only if the admission ran (the release script checks its marker)
         self._unconfirmed[lease.lease_id] = (lease, time.monotonic() + self._settings.lease_ttl)
         self._unconfirmed_releaser.start()
 
@@ -325,18 +471,54 @@ class RedisRateLimiter:
             )
         return f"Rate limit reached: {'; '.join(reasons)}. Retry in {format_reset(retry_ms)}."
 
+    def _quota_refusal(
+        self,
+        name: str,
+        limits: EffectiveLimits,
+        tokens: int,
+        day_used: int,
+        month_used: int,
+        retry_ms: int,
+        headers: dict[str, str],
+    ) -> QuotaExceededError:
+        if self._metrics is not None:
+            self._metrics.set_key_budget(name, limits.daily_tokens, limits.monthly_tokens, day_used, month_used)
+        spent = []
+        for window, limit, used in (
+            ("daily", limits.daily_tokens, day_used),
+            ("monthly", limits.monthly_tokens, month_used),
+        ):
+            if limit and used + tokens > limit:
+                left = max(0, limit - used)
+                spent.append(f"{window} token budget ({limit}; {left} left, this request may use {tokens})")
+        message = (
+            f"This API key's {' and '.join(spent)} is spent; it refills in {format_reset(retry_ms)} "
+            f"(at {self._settings.budget_timezone} midnight). Lower max_tokens or ask for a larger budget."
+        )
+        merged = {"retry-after-ms": str(max(retry_ms, 0)), **headers}
+        return QuotaExceededError(message, retry_after=retry_ms / 1000, headers=merged, limit="budget")
+
     def _release_call(
-        self, lease: Lease, used_tokens: int | None, *, served: bool, unconfirmed: bool = False
+        self,
+        lease: Lease,
+        used_tokens: int | None,
+        *,
+        served: bool,
+        unconfirmed: bool = False,
+        detail: TokenDetail | None = None,
     ) -> tuple[list[str], list[int | str]]:
         """The RELEASE script's keys and arguments for `lease` (see `lua.RELEASE`)."""
         used = lease.estimated_tokens if used_tokens is None else max(0, used_tokens)
-        today = datetime.now(UTC).date()
+        today = self._clock().astimezone(UTC).date()
+        windows = lease.windows or self.budget_windows()
+        detail = detail or TokenDetail()
         keys = [
             *_bucket_keys(lease.key_name)[1:],
             _usage_day_key(lease.key_name, today),
             _usage_last_key(lease.key_name),
             _marker_key(lease.key_name, "released", lease.lease_id),
             _marker_key(lease.key_name, "admitted", lease.lease_id),
+            *_budget_keys(lease.key_name, windows),
         ]
         args: list[int | str] = [
             self._window_ms,
@@ -348,11 +530,18 @@ class RedisRateLimiter:
             1 if served else 0,
             self._released_marker_ms,
             1 if unconfirmed else 0,
+            used - lease.budget_charged,
+            windows.day_left_ms,
+            windows.month_left_ms,
+            lease.api,
+            *(-1 if count is None else count for count in (detail.prompt, detail.completion, detail.reasoning)),
         ]
         return keys, args
 
-    async def _finish(self, lease: Lease, used_tokens: int | None, *, served: bool = True) -> None:
-        keys, args = self._release_call(lease, used_tokens, served=served)
+    async def _finish(
+        self, lease: Lease, used_tokens: int | None, *, served: bool = True, detail: TokenDetail | None = None
+    ) -> None:
+        keys, args = self._release_call(lease, used_tokens, served=served, detail=detail)
         try:
             await self._calls(lambda: self._release(keys=keys, args=args), unavailable=_UNAVAILABLE)
             return
@@ -411,6 +600,26 @@ class RedisRateLimiter:
                 gone = self._live.pop(lease_id.decode(), None)
                 if gone is not None:
                     logger.warning("A concurrency slot of key %s expired before it was renewed", gone.key_name)
+
+
+def _charge_budget(lease: Lease) -> None:
+    """Mark `lease`'s estimate as charged to its budgets (where it has one), so that its release refunds it."""
+    if lease.limits.daily_tokens or lease.limits.monthly_tokens:
+        lease.budget_charged = lease.estimated_tokens
+
+
+def _budget_keys(name: str, windows: BudgetWindows) -> list[str]:
+    return [f"{_PREFIX}{{{name}}}:budget:{windows.day}", f"{_PREFIX}{{{name}}}:budget:{windows.month}"]
+
+
+def _budget_headers(limits: EffectiveLimits, day_used: int, month_used: int) -> dict[str, str]:
+    """`x-budget-{limit,remaining}-tokens-{day,month}` for the budgets the key has."""
+    headers: dict[str, str] = {}
+    for window, limit, used in (("day", limits.daily_tokens, day_used), ("month", limits.monthly_tokens, month_used)):
+        if limit:
+            headers[f"x-budget-limit-tokens-{window}"] = str(limit)
+            headers[f"x-budget-remaining-tokens-{window}"] = str(max(0, limit - used))
+    return headers
 
 
 def _resolve(own: int | None, default: int | None) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -216,14 +216,24 @@ class EngineClient:
             )
         return self._session
 
-    async def open(self, path: str, body: bytes, request_id: str) -> UpstreamResponse:
-        """POST `body` to `path` and wait for the status line and headers (first-byte timeout)."""
+    async def open(
+        self,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        method: str = "POST",
+        headers: Mapping[str, str] | None = None,
+    ) -> UpstreamResponse:
+        """Send `body` to `path` (POST unless `method` says otherwise; `headers` added) and wait for the status line
+        and headers (first-byte timeout)."""
         session = self._started()
-        headers = {"Content-Type": "application/json", "X-Request-Id": request_id, **self._auth_header}
+        sent = {**(headers or {}), "Content-Type": "application/json", "X-Request-Id": request_id}
+        sent.update(self._auth_header)
         within = self._relay.first_byte_timeout
         with engine_errors(f"The model engine did not answer within {within:g} s.", self._retry_after):
             async with asyncio.timeout(within):
-                response = await session.post(self._base_url + path, data=body, headers=headers)
+                response = await session.request(method, self._base_url + path, data=body, headers=sent)
         return UpstreamResponse(response, self._retry_after)
 
     async def read_body(self, upstream: UpstreamResponse) -> bytes:

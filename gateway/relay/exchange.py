@@ -36,6 +36,7 @@ from gateway.relay.client import (
     engine_error_body,
 )
 from gateway.relay.monitor import EngineMonitor
+from gateway.relay.shapes import CHAT, WireShape
 from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import Settings
@@ -128,14 +129,20 @@ class EngineRelay:
         strip_usage: bool,
         headers: Mapping[str, str],
         settle: Settle | None,
+        shape: WireShape = CHAT,
+        method: str = "POST",
+        engine_headers: Mapping[str, str] | None = None,
     ) -> ASGIApp:
-        """POST `body` to the engine's `path`: the answer as an ASGI app, or a GatewayError (5xx).
+        """Send `body` to the engine's `path`: the answer as an ASGI app, or a GatewayError (5xx). `shape` is the
+        API's wire shape (how its stream ends and fails); `engine_headers` go to the engine with the request.
 
         `settle` runs exactly once: when the answer is read, when the stream ends, or on the error.
         `headers` (the key's rate-limit headers) go on the answer.
         """
         try:
-            exchange = self._open_and_read(path, body, record, read_body=not stream)
+            exchange = self._open_and_read(
+                path, body, record, read_body=not stream, method=method, headers=engine_headers
+            )
             upstream, answer = await run_until_disconnect(receive, exchange)
         except ClientDisconnectedError:
             record.client_disconnected = True
@@ -164,6 +171,7 @@ class EngineRelay:
             self._settings.relay,
             self._metrics,
             strip_usage=strip_usage,
+            shape=shape,
             headers=[(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
             on_finish=finished,
             activity=self._activity,
@@ -183,12 +191,19 @@ class EngineRelay:
         except orjson.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict):
-            record.take_usage(parsed.get("usage"))
+            record.take_answer(parsed)
         await self._finish(record, settle)
         return BufferedAnswer(200, answer, upstream.content_type, headers)
 
     async def _open_and_read(
-        self, path: str, body: bytes, record: RequestRecord, *, read_body: bool
+        self,
+        path: str,
+        body: bytes,
+        record: RequestRecord,
+        *,
+        read_body: bool,
+        method: str = "POST",
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[UpstreamResponse, bytes | None]:
         """Open the engine request and read its whole body (unless it is a stream that started well).
 
@@ -199,7 +214,7 @@ class EngineRelay:
         waiter = _Waiter()
         self._activity.begin(waiter)
         try:
-            upstream = await self._client.open(path, body, record.engine_request_id)
+            upstream = await self._client.open(path, body, record.engine_request_id, method=method, headers=headers)
             if not read_body and upstream.status == 200:
                 return upstream, None
             return upstream, await self._client.read_body(upstream)

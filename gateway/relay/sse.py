@@ -1,10 +1,10 @@
 """Relays an engine's Server-Sent Events to the client as they arrive, and watches for the client leaving.
 
-Bytes pass through unparsed; only a line carrying a `"usage": {...}` object is read (for accounting)
-and, when the client did not ask for usage, dropped. Silence is filled with SSE comments; a stream
-that breaks or freezes ends with one OpenAI-shaped error event. Every chunk is recorded as engine
-progress (one timestamp) for the engine monitor, which can also end the stream when it finds the
-engine stuck. Speaks raw ASGI; imports no web framework and no HTTP client (the engine's bytes come
+Bytes pass through unparsed, `event:` lines and all; only a line carrying a `"usage": {...}` object is read
+(for accounting) and, when the client did not ask for usage, dropped. Silence is filled with SSE comments; a
+stream that breaks or freezes ends with one error event in its API's shape (`relay/shapes.py`). Every chunk is
+recorded as engine progress (one timestamp) for the engine monitor, which can also end the stream when it finds
+the engine stuck. Speaks raw ASGI; imports no web framework and no HTTP client (the engine's bytes come
 through `UpstreamResponse.read_chunk`, errors already mapped).
 
 Where the server offers a `BodyWriter` in the scope (gateway/server.py does), a plain content chunk is
@@ -29,6 +29,7 @@ from gateway.errors import EngineTimeoutError, EngineUnavailableError, GatewayEr
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
+from gateway.relay.shapes import CHAT, WireShape
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
 from gateway.types import Message, Receive, Scope, Send
@@ -39,7 +40,6 @@ T = TypeVar("T")
 __all__ = ["KEEP_ALIVE", "ClientDisconnectedError", "Message", "Receive", "SSERelay", "Send", "run_until_disconnect"]
 
 KEEP_ALIVE = b": keep-alive\n\n"
-_DONE = b"data: [DONE]"
 _DONE_MARK = b"[DONE]"
 # The scope key under which the server offers a BodyWriter for the request's response.
 BODY_WRITER = "nemotron.body_writer"
@@ -94,7 +94,7 @@ async def run_until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -
 
 def error_event(error: GatewayError) -> bytes:
     """One SSE event carrying OpenAI's error envelope (what the OpenAI SDK raises from mid-stream)."""
-    return b"data: " + error.to_json() + b"\n\n"
+    return CHAT.error_event(error)
 
 
 class _SilenceAlarm:
@@ -173,6 +173,7 @@ class SSERelay:
         metrics: GatewayMetrics,
         *,
         strip_usage: bool,
+        shape: WireShape = CHAT,
         headers: Iterable[tuple[bytes, bytes]] = (),
         on_finish: Callable[[], Awaitable[None]] | None = None,
         activity: EngineActivity | None = None,
@@ -181,7 +182,8 @@ class SSERelay:
         self._record = record
         self._settings = settings
         self._metrics = metrics
-        self._strip_usage = strip_usage
+        self._strip_usage = strip_usage and shape.strips_usage
+        self._shape = shape
         self._headers = [*SSE_HEADERS, *headers]
         self._saw_done = False
         self._on_finish = on_finish
@@ -228,7 +230,7 @@ class SSERelay:
         logger.warning("stream %s ended early: %s", self._record.request_id, error.message)
         # The response may not have started, or the client may be gone: then there is no one to tell.
         with contextlib.suppress(Exception):
-            await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
+            await send({"type": "http.response.body", "body": self._shape.error_event(error), "more_body": False})
 
     def _relay_now(self, chunk: bytes) -> bool:
         """In the engine connection's data callback: write a plain content chunk straight to the client.
@@ -246,6 +248,7 @@ class SSERelay:
             or _USAGE_MARKERS[0] in chunk
             or _USAGE_MARKERS[1] in chunk
             or _DONE_MARK in chunk
+            or self._shape.ends(chunk)
             or not writer.write(chunk)
         ):
             self._parked = False
@@ -313,7 +316,7 @@ class SSERelay:
                         continue
                 if _USAGE_MARKERS[0] in chunk or _USAGE_MARKERS[1] in chunk:
                     chunk = self._take_usage(chunk)
-                if chunk[-24:].rstrip().endswith(_DONE):
+                if self._shape.ends(chunk):
                     self._saw_done = True
                     # Settle before the client sees the end: its next request must find the slot free.
                     await self._finish()
@@ -365,7 +368,7 @@ class SSERelay:
                 except orjson.JSONDecodeError:
                     event = None
                 if isinstance(event, dict):
-                    self._record.take_usage(event.get("usage"))
+                    self._record.take_answer(event)
                     if self._strip_usage and not event.get("choices"):
                         # The usage-only chunk the gateway asked for on the client's behalf: drop the
                         # line and the blank line that ends its event.
@@ -378,4 +381,4 @@ class SSERelay:
         # Counted by whoever settles the exchange (`on_finish`), from the record: one place for every kind.
         self._record.engine_error = kind
         logger.warning("stream %s ended early: %s", self._record.request_id, error.message)
-        await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
+        await send({"type": "http.response.body", "body": self._shape.error_event(error), "more_body": False})

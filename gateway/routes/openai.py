@@ -1,22 +1,28 @@
-"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models.
+"""The relayed API routes (chat and text completions, the Responses API, Anthropic's Messages API) and
+/v1/models.
 
-Handlers stay short: authenticate, read, prepare, check the model, admit, and hand the exchange to
-the engine relay (`relay/exchange.py`). The two completion handlers are dispatched by
-`app._Dispatcher` (no router, no FastAPI body parsing or dependency solving on the hot path)
-and answer with an ASGI app: the engine's whole answer, or for streams the SSE relay.
+`relay` is the one handler of every relayed route the table declares (gateway/routes/table.py): authenticate,
+read, prepare, check the model, admit, and hand the exchange to the engine relay (`relay/exchange.py`). It is
+dispatched by `app._Dispatcher` (no router, no FastAPI body parsing or dependency solving on the hot path)
+and answers with an ASGI app: the engine's whole answer, or for streams the SSE relay.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from gateway.auth import ApiKey
 from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import RequestTooLargeError
+from gateway.ratelimit import Lease, RateLimiter, TokenDetail
+from gateway.relay.shapes import WireShape
+from gateway.requestlog import RequestRecord
 from gateway.types import ASGIApp
-from gateway.validation import Prepare, prepare_chat, prepare_completion
+from gateway.validation import Prepare, PreparedRequest
 
 router = APIRouter()
 
@@ -35,7 +41,26 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _relay(request: Request, path: str, prepare: Prepare) -> ASGIApp:
+# A route's own step once the request is prepared and admitted (the stored-response ownership); it returns
+# what runs once the exchange is settled, or None.
+AfterSettle = Callable[[], Awaitable[None]]
+AfterAdmit = Callable[[Request, ApiKey | None, PreparedRequest, RequestRecord], Awaitable[AfterSettle | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """How one API is relayed: the engine path, the body's preparation, the wire shape, the client headers
+    passed on to the engine, and an optional step of its own."""
+
+    path: str
+    prepare: Prepare
+    shape: WireShape
+    passed_headers: tuple[str, ...] = ()
+    after_admit: AfterAdmit | None = None
+
+
+async def relay(request: Request, api: Relayed) -> ASGIApp:
+    """Any relayed route: validated, policy applied, admitted against the key's limits, relayed (streamed or not)."""
     services = get_services(request)
     record = get_record(request)
     key = await require_api_key(request, services)
@@ -44,32 +69,44 @@ async def _relay(request: Request, path: str, prepare: Prepare) -> ASGIApp:
         # an over-limit client must not make the gateway read and parse megabytes first.
         services.limiter.precheck(key)
     body = await _read_body(request, services.settings.max_body_bytes)
-    prepared = prepare(body, services.settings, await services.monitor.require_ready())
+    prepared = api.prepare(body, services.settings, await services.monitor.require_ready())
     record.model, record.stream = prepared.model, prepared.stream
-    lease = None
     if key is not None:
         services.keys.check_model(key, prepared.model)
-        lease = await services.limiter.acquire(key, prepared.tokens_estimate)
+    after = await api.after_admit(request, key, prepared, record) if api.after_admit is not None else None
+    lease = None
+    if key is not None:
+        # Usage by API is kept under the route's API label (chat, responses, ...), so every relayed route counts.
+        lease = await services.limiter.acquire(key, prepared.tokens_estimate, record.api or api.path)
+    settle = _settle(services.limiter, lease, record, after) if lease is not None or after is not None else None
     return await services.relay.forward(
-        path,
+        api.path,
         prepared.body,
         record,
         request.receive,
         stream=prepared.stream,
         strip_usage=not prepared.client_wants_usage,
         headers=lease.headers if lease is not None else {},
-        settle=functools.partial(services.limiter.release, lease) if lease is not None else None,
+        settle=settle,
+        shape=api.shape,
+        engine_headers={name: value for name in api.passed_headers if (value := request.headers.get(name))},
     )
 
 
-async def chat_completions(request: Request) -> ASGIApp:
-    """POST /v1/chat/completions: validated, policy applied, relayed (streamed or not)."""
-    return await _relay(request, "/v1/chat/completions", prepare_chat)
+def _settle(
+    limiter: RateLimiter, lease: Lease | None, record: RequestRecord, after: AfterSettle | None
+) -> Callable[[int | None], Awaitable[None]]:
+    """Release `lease` with the tokens the engine reported on `record` (read when the exchange ends), then run the
+    route's own step after settling."""
 
+    async def settle(used: int | None) -> None:
+        if lease is not None:
+            detail = TokenDetail(record.prompt_tokens, record.completion_tokens, record.reasoning_tokens)
+            await limiter.release(lease, used, detail)
+        if after is not None:
+            await after()
 
-async def completions(request: Request) -> ASGIApp:
-    """POST /v1/completions: validated, policy applied, relayed (streamed or not)."""
-    return await _relay(request, "/v1/completions", prepare_completion)
+    return settle
 
 
 @router.get("/v1/models")

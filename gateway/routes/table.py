@@ -1,8 +1,9 @@
-"""The routes the gateway answers, declared once (issue 13).
+"""The routes the gateway answers, declared once.
 
-The app's dispatcher, its 404 and 405 answers and the metric route labels are all derived from
-`SERVED`; the FastAPI routers implement the rows without a handler, and a test holds them equal.
-Imports the completion handlers only (the hot rows).
+The app's dispatcher, its 404 and 405 answers, the error envelope of each route and the metric route and API
+labels are all derived from `SERVED`; the FastAPI routers implement the rows without a handler, and a test
+holds them equal. A relayed API is a row with a `Relayed` descriptor (engine path, validation, wire shape);
+a `{id}` segment in a path matches any one segment. Imports the relayed handlers only (the hot rows).
 """
 
 from __future__ import annotations
@@ -13,26 +14,73 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from gateway.errors import GatewayError, MethodNotAllowedError, RouteNotFoundError
-from gateway.routes import openai
+from gateway.relay.shapes import CHAT, COMPLETIONS, MESSAGES, RESPONSES, WireShape
+from gateway.routes import stored
+from gateway.routes.openai import AfterAdmit, Relayed
 from gateway.types import ASGIApp
+from gateway.validation import (
+    Prepare,
+    prepare_chat,
+    prepare_completion,
+    prepare_count_tokens,
+    prepare_messages,
+    prepare_responses,
+)
 
 # A completion handler answers with an ASGI app: a Response, or the SSE relay for a stream.
 CompletionHandler = Callable[[Request], Awaitable[ASGIApp]]
+# Anthropic's SDK sends these; vLLM's Messages API may read them.
+_ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 
 @dataclass(frozen=True, slots=True)
 class ServedRoute:
-    """One method on one path. A `handler` marks a hot completion route: the dispatcher calls it directly,
-    skipping Starlette's routing and FastAPI's dependency solving (~14% of the CPU per request)."""
+    """One method on one path. A `relayed` API or a `handler` marks a hot route: the dispatcher calls it directly,
+    skipping Starlette's routing and FastAPI's dependency solving (~14% of the CPU per request). `shape` gives the
+    errors' envelope and the API's name."""
 
     method: str
     path: str
     handler: CompletionHandler | None = None
+    relayed: Relayed | None = None
+    shape: WireShape | None = None
+
+    @property
+    def api(self) -> str | None:
+        """The API the route serves (chat, completions, responses, messages), for metrics and the access log."""
+        shape = self.relayed.shape if self.relayed is not None else self.shape
+        return shape.api if shape is not None else None
+
+    @property
+    def hot(self) -> bool:
+        """Whether the dispatcher runs it itself."""
+        return self.handler is not None or self.relayed is not None
+
+    def render(self, error: GatewayError) -> bytes:
+        """`error` in this route's envelope."""
+        shape = self.relayed.shape if self.relayed is not None else self.shape
+        return shape.error_body(error) if shape is not None else error.to_json()
+
+
+def _relayed(
+    path: str,
+    prepare: Prepare,
+    shape: WireShape,
+    *,
+    passed_headers: tuple[str, ...] = (),
+    after_admit: AfterAdmit | None = None,
+) -> ServedRoute:
+    return ServedRoute("POST", path, relayed=Relayed(path, prepare, shape, passed_headers, after_admit))
 
 
 SERVED: tuple[ServedRoute, ...] = (
-    ServedRoute("POST", "/v1/chat/completions", openai.chat_completions),
-    ServedRoute("POST", "/v1/completions", openai.completions),
+    _relayed("/v1/chat/completions", prepare_chat, CHAT),
+    _relayed("/v1/completions", prepare_completion, COMPLETIONS),
+    _relayed("/v1/responses", prepare_responses, RESPONSES, after_admit=stored.remember_owner),
+    ServedRoute("GET", "/v1/responses/{id}", stored.retrieve, shape=RESPONSES),
+    ServedRoute("POST", "/v1/responses/{id}/cancel", stored.cancel, shape=RESPONSES),
+    _relayed("/v1/messages", prepare_messages, MESSAGES, passed_headers=_ANTHROPIC_HEADERS),
+    _relayed("/v1/messages/count_tokens", prepare_count_tokens, MESSAGES, passed_headers=_ANTHROPIC_HEADERS),
     ServedRoute("GET", "/v1/models"),
     ServedRoute("GET", "/health"),
     # Load balancers probe with HEAD.
@@ -44,12 +92,19 @@ SERVED: tuple[ServedRoute, ...] = (
 )
 
 
+def _matches(template: tuple[str, ...], parts: list[str]) -> bool:
+    return len(template) == len(parts) and all(
+        t == p or (t.startswith("{") and p != "") for t, p in zip(template, parts, strict=True)
+    )
+
+
 class RouteTable:
     """Lookups derived from a table of served routes."""
 
     def __init__(self, routes: tuple[ServedRoute, ...] = SERVED) -> None:
         self.routes = routes
-        self._by_key = {(r.method, r.path): r for r in routes}
+        self._by_key = {(r.method, r.path): r for r in routes if "{" not in r.path}
+        self._templates = [(r, tuple(r.path.split("/"))) for r in routes if "{" in r.path]
         self._methods: dict[str, list[str]] = {}
         for route in routes:
             self._methods.setdefault(route.path, []).append(route.method)
@@ -58,7 +113,11 @@ class RouteTable:
 
     def find(self, method: str, path: str) -> ServedRoute | None:
         """The row serving `method` on `path`, or None."""
-        return self._by_key.get((method, path))
+        route = self._by_key.get((method, path))
+        if route is not None or not self._templates:
+            return route
+        parts = path.split("/")
+        return next((r for r, t in self._templates if r.method == method and _matches(t, parts)), None)
 
     def refusal(self, method: str, path: str) -> GatewayError:
         """Why `method path` is not served: 405 (with Allow) on a served path, else 404."""

@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from gateway.settings import Settings
@@ -51,6 +51,8 @@ _HELP_TIMEOUT = 300.0
 _QUIET_FLAG = "--disable-access-log-for-endpoints"
 # vLLM's API key from its environment (vllm/envs.py): its /v1 routes then want `Authorization: Bearer <key>`.
 ENGINE_KEY_VARIABLE = "VLLM_API_KEY"
+# vLLM keeps Responses API answers (in memory) only with this set (vllm/envs.py); else it ignores `store`.
+RESPONSES_STORE_VARIABLE = "VLLM_ENABLE_RESPONSES_API_STORE"
 _PROBED_PATHS = "/health,/metrics"
 # Only `vllm serve` itself starts several API-server processes (`--api-server-count` N > 1, issue 11): the
 # api_server module accepts the flag and runs one. Its entry reads the version of a distribution named
@@ -82,25 +84,40 @@ def installed_vllm(python: str) -> tuple[str, list[str]]:
     return str(found["version"]), [python, "-m", str(found["modules"][0])]
 
 
-def accepted_flags(launcher: list[str], version: str, cache_dir: Path) -> frozenset[str]:
-    """Every `--flag` the installed vLLM server accepts, from its `--help=all`, cached per vLLM version."""
-    python = launcher[0]
-    key = hashlib.sha256(f"{python}\0{version}".encode()).hexdigest()[:12]
-    cache = cache_dir / f"vllm-flags-{version}-{key}.txt"
+def cached(cache_dir: Path | None, stem: str, key: str, produce: Callable[[], str]) -> str:
+    """`produce()`'s text, kept as `<cache_dir>/<stem>-<hash of key>.txt` for the next call with the same key.
+
+    For what the installed vLLM answers slowly and always the same way for one key (its flag list per version,
+    the doctor's verdicts per argv and config): a failed `produce()` raises and nothing is kept. No cache_dir:
+    always produced.
+    """
+    if cache_dir is None:
+        return produce()
+    cache = cache_dir / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.txt"
     try:
-        return frozenset(cache.read_text().split())
+        return cache.read_text()
     except OSError:
         pass
-    logger.info("reading the flags %s accepts (once per version; takes a while)", version)
-    result = subprocess.run(
-        [*launcher, "--help=all"], capture_output=True, text=True, timeout=_HELP_TIMEOUT, check=False
-    )
-    flags = frozenset(_FLAG.findall(result.stdout))
-    if result.returncode != 0 or "--port" not in flags:
-        raise ProfileError(f"`vllm serve --help=all` failed (exit {result.returncode}): {result.stderr[-500:]}")
+    text = produce()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cache.write_text("\n".join(sorted(flags)))
-    return flags
+    cache.write_text(text)
+    return text
+
+
+def accepted_flags(launcher: list[str], version: str, cache_dir: Path) -> frozenset[str]:
+    """Every `--flag` the installed vLLM server accepts, from its `--help=all`, cached per vLLM version."""
+
+    def read_help() -> str:
+        logger.info("reading the flags %s accepts (once per version; takes a while)", version)
+        result = subprocess.run(
+            [*launcher, "--help=all"], capture_output=True, text=True, timeout=_HELP_TIMEOUT, check=False
+        )
+        flags = frozenset(_FLAG.findall(result.stdout))
+        if result.returncode != 0 or "--port" not in flags:
+            raise ProfileError(f"`vllm serve --help=all` failed (exit {result.returncode}): {result.stderr[-500:]}")
+        return "\n".join(sorted(flags))
+
+    return frozenset(cached(cache_dir, f"vllm-flags-{version}", f"{launcher[0]}\0{version}", read_help).split())
 
 
 def api_server_count(argv: Sequence[str]) -> int:
@@ -127,15 +144,21 @@ def serve_launcher(argv: list[str], launcher: list[str], version: str) -> list[s
 
 
 def engine_environment(
-    profile: Profile, base: Mapping[str, str] | None = None, api_key: str | None = None
+    profile: Profile,
+    base: Mapping[str, str] | None = None,
+    api_key: str | None = None,
+    *,
+    responses_store: bool = False,
 ) -> dict[str, str]:
-    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, and
-    the engine API key the gateway sends (`engine_api_key`) as VLLM_API_KEY: in argv it would show in `ps`."""
+    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, the
+    engine API key the gateway sends (`engine_api_key`) as VLLM_API_KEY (in argv it would show in `ps`), and the
+    Responses API store switch (`engine.responses_store`), set either way so an inherited one cannot differ."""
     env = dict(os.environ if base is None else base)
     env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.update(profile.env)
     if api_key:
         env[ENGINE_KEY_VARIABLE] = api_key
+    env[RESPONSES_STORE_VARIABLE] = "1" if responses_store else "0"
     return env
 
 
@@ -162,4 +185,4 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
     if not custom:
         argv = serve_launcher(argv, launcher, version)
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else None
-    return profile, argv, engine_environment(profile, api_key=api_key)
+    return profile, argv, engine_environment(profile, api_key=api_key, responses_store=settings.engine.responses_store)

@@ -104,6 +104,45 @@ def test_sdk_chat_stream_and_completion_through_the_gateway(stack: Stack) -> Non
     assert 'nemotron_gateway_tokens_total{kind="completion"}' in metrics
 
 
+def test_a_token_budget_is_reconciled_to_the_usage_vllm_reports(stack: Stack) -> None:
+    name = f"budget-{uuid.uuid4().hex[:8]}"
+    created = gateway_cli(stack.env, "keys", "create", "--name", name, "--daily-tokens", "100000")
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    try:
+        with openai.OpenAI(base_url=f"{stack.gateway}/v1", api_key=key, max_retries=0, timeout=120) as sdk:
+            answer = sdk.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+            )
+            # Charged up front: the prompt estimate + max_tokens, before vLLM counted anything.
+            assert 0 < 100_000 - int(answer.headers["x-budget-remaining-tokens-day"]) >= 8
+            usage = answer.parse().usage
+            streamed = list(
+                sdk.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "Hi"}],
+                    max_tokens=4,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+        assert usage is not None and streamed[-1].usage is not None
+        reported = [usage, streamed[-1].usage]
+        shown = gateway_cli(stack.env, "keys", "show", name, "--json")
+        assert json.loads(shown.stdout)["budget_used"]["day"] == sum(u.total_tokens for u in reported)
+        billed = json.loads(gateway_cli(stack.env, "keys", "usage", name, "--json").stdout)
+        assert [(row["api"], row["requests"], row["prompt_tokens"], row["completion_tokens"]) for row in billed] == [
+            (
+                "chat",
+                2,
+                sum(u.prompt_tokens for u in reported),
+                sum(u.completion_tokens for u in reported),
+            )
+        ]
+    finally:
+        gateway_cli(stack.env, "keys", "revoke", name)
+
+
 def test_the_engine_port_wants_the_engine_key_that_gateway_and_supervisor_send(stack: Stack) -> None:
     # Nothing else on the machine uses the engine's port: vLLM wants the key the supervisor gave it.
     assert httpx.get(f"{stack.engine}/v1/models", timeout=10).status_code == 401

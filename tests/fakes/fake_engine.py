@@ -1,5 +1,9 @@
 """A fake `vllm serve`: vLLM's OpenAI-compatible HTTP API with per-request faults and a request log.
 
+Speaks chat and text completions, the Responses API (its `event:` stream; a response store, on with
+VLLM_ENABLE_RESPONSES_API_STORE=1 as in vLLM) and Anthropic's Messages API (`message_start` ... `message_stop`),
+in vLLM's shapes.
+
 Pure ASGI under uvicorn, so it owns `receive()` and can see a client leave at any point.
 Run it as `python -m tests.fakes.fake_engine --port P`; it imports nothing from `gateway`.
 """
@@ -187,9 +191,26 @@ class Exchange:
                 await self._watcher
 
 
+def _api_of(path: str) -> str:
+    for api in ("chat/completions", "completions", "responses", "messages/count_tokens", "messages"):
+        if path.endswith("/" + api):
+            return api.split("/")[0] if api != "messages/count_tokens" else "count_tokens"
+    return "completions"
+
+
 def count_prompt_tokens(path: str, body: dict[str, Any]) -> int:
     """A deterministic prompt size: whitespace words of the text, or the length of token-id lists."""
-    if path.endswith("/chat/completions"):
+    api = _api_of(path)
+    if api == "responses":
+        source = body.get("input")
+        items = [{"content": source}] if isinstance(source, str) else source or []
+        items = [*items, {"content": body.get("instructions")}]
+        return count_prompt_tokens("/v1/chat/completions", {"messages": items})
+    if api in ("messages", "count_tokens"):
+        return count_prompt_tokens(
+            "/v1/chat/completions", {"messages": [*(body.get("messages") or []), {"content": body.get("system")}]}
+        )
+    if api == "chat":
         texts: list[Any] = []
         for message in body.get("messages") or []:
             content = message.get("content") if isinstance(message, dict) else None
@@ -214,6 +235,8 @@ class Completion:
     prompt_tokens: int
     max_tokens: int | None
     include_usage: bool
+    # chat, completions, responses or messages: the shape of the answer.
+    api: str = "completions"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -236,6 +259,20 @@ class Completion:
         return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
 
     def response(self) -> dict[str, Any]:
+        if self.api == "responses":
+            return self.responses_object("completed", self.n_tokens)
+        if self.api == "messages":
+            text = " ".join(f"tok{i}" for i in range(self.n_tokens))
+            return {
+                "id": f"msg_{self.id}",
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": "end_turn" if self.max_tokens is None else "max_tokens",
+                "stop_sequence": None,
+                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": self.n_tokens},
+            }
         text = " ".join(f"tok{i}" for i in range(self.n_tokens))
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
@@ -259,8 +296,76 @@ class Completion:
             chunk["usage"] = None
         return b"data: " + _dumps(chunk) + b"\n\n"
 
+    def responses_usage(self, output_tokens: int) -> dict[str, Any]:
+        """The Responses API's usage; half the output tokens are reasoning tokens here."""
+        return {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": output_tokens // 2},
+            "total_tokens": self.prompt_tokens + output_tokens,
+        }
+
+    def responses_object(self, status: str, output_tokens: int | None) -> dict[str, Any]:
+        """A Responses API `response` object (in_progress: no output, no usage)."""
+        text = " ".join(f"tok{i}" for i in range(output_tokens or 0))
+        output = []
+        if output_tokens is not None:
+            content = [{"type": "output_text", "text": text, "annotations": []}]
+            output.append(
+                {"type": "message", "id": f"msg_{self.id}", "role": "assistant", "status": status, "content": content}
+            )
+        return {
+            "id": f"resp_{self.id}",
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": status,
+            "output": output,
+            "usage": None if output_tokens is None else self.responses_usage(output_tokens),
+        }
+
+    def _typed(self, kind: str, obj: dict[str, Any]) -> bytes:
+        return f"event: {kind}\ndata: ".encode() + _dumps({"type": kind, **obj}) + b"\n\n"
+
     def events(self) -> Iterator[tuple[str, bytes]]:
         """(kind, SSE event) in order: [role], one `token` per token, [usage], `done`."""
+        if self.api == "responses":
+            yield (
+                "role",
+                self._typed(
+                    "response.created", {"sequence_number": 0, "response": self.responses_object("in_progress", None)}
+                ),
+            )
+            for i in range(self.n_tokens):
+                delta = {"sequence_number": i + 1, "item_id": f"msg_{self.id}", "output_index": 0, "content_index": 0}
+                yield (
+                    "token",
+                    self._typed("response.output_text.delta", {**delta, "delta": f"tok{i}" if i == 0 else f" tok{i}"}),
+                )
+            final = {
+                "sequence_number": self.n_tokens + 1,
+                "response": self.responses_object("completed", self.n_tokens),
+            }
+            yield "done", self._typed("response.completed", final)
+            return
+        if self.api == "messages":
+            start = {"message": {**self.response(), "content": [], "stop_reason": None}}
+            start["message"]["usage"] = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+            yield "role", self._typed("message_start", start)
+            yield (
+                "block",
+                self._typed("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            )
+            for i in range(self.n_tokens):
+                delta = {"type": "text_delta", "text": f"tok{i}" if i == 0 else f" tok{i}"}
+                yield "token", self._typed("content_block_delta", {"index": 0, "delta": delta})
+            yield "block", self._typed("content_block_stop", {"index": 0})
+            usage = {"input_tokens": self.prompt_tokens, "output_tokens": self.n_tokens}
+            stop = {"stop_reason": "end_turn" if self.max_tokens is None else "max_tokens", "stop_sequence": None}
+            yield "usage", self._typed("message_delta", {"delta": stop, "usage": usage})
+            yield "done", self._typed("message_stop", {})
+            return
         if self.chat:
             yield "role", self._chunk("", None, role=True)
         for i in range(self.n_tokens):
@@ -274,11 +379,18 @@ class Completion:
         yield "done", b"data: [DONE]\n\n"
 
 
+_GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+
+
 class FakeEngine:
     """The ASGI app: OpenAI routes, health, and the /_test/* control and inspection endpoints."""
 
     def __init__(
-        self, model: str = DEFAULT_MODEL, max_model_len: int = DEFAULT_MAX_MODEL_LEN, api_key: str | None = None
+        self,
+        model: str = DEFAULT_MODEL,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        api_key: str | None = None,
+        responses_store: bool = False,
     ) -> None:
         self.model = model
         # As vLLM with VLLM_API_KEY: its /v1 routes want `Authorization: Bearer <key>`, the others do not.
@@ -295,6 +407,9 @@ class FakeEngine:
         self.unfrozen = asyncio.Event()
         self.unfrozen.set()
         self.api_frozen = False
+        # The Responses API store (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): off, `store` is ignored.
+        self.responses_store = responses_store
+        self.stored: dict[str, dict[str, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -323,8 +438,13 @@ class FakeEngine:
         method, path = scope["method"], scope["path"]
         if self.authorization is not None and path.startswith("/v1") and not self._authorized(scope):
             await exchange.send_json(401, {"error": "Unauthorized"})  # vLLM's own answer
-        elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+        elif method == "POST" and path in _GENERATING:
             await self._completion(scope, exchange, body)
+        elif method == "POST" and path == "/v1/messages/count_tokens":
+            request = json.loads(body)
+            await exchange.send_json(200, {"input_tokens": count_prompt_tokens(path, request)})
+        elif path.startswith("/v1/responses/"):
+            await self._stored(method, path, exchange)
         elif method == "GET" and path == "/health":
             await self._health(exchange)
         elif method == "GET" and path == "/metrics":
@@ -335,6 +455,17 @@ class FakeEngine:
             await self._control(method, path, exchange, body)
         else:
             await exchange.send_json(404, error_body(404, f"Not Found: {method} {path}"))
+
+    async def _stored(self, method: str, path: str, exchange: Exchange) -> None:
+        """GET /v1/responses/{id} and POST .../cancel, as vLLM answers them."""
+        response_id = path.split("/")[3]
+        stored = self.stored.get(response_id)
+        if stored is None:
+            await exchange.send_json(404, error_body(404, f"Response with id '{response_id}' not found."))
+        elif method == "POST" and path.endswith("/cancel"):
+            await exchange.send_json(400, error_body(400, "Cannot cancel a synchronous response."))
+        else:
+            await exchange.send_json(200, stored)
 
     def _authorized(self, scope: Scope) -> bool:
         return any(name == b"authorization" and value == self.authorization for name, value in scope["headers"])
@@ -498,8 +629,9 @@ class FakeEngine:
             elif error is not None:
                 await self._finish_json(exchange, record, error[0], error_body(*error))
             return
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
         completion = Completion(
+            api=_api_of(record.path),
             chat=record.path.endswith("/chat/completions"),
             model=self.model,
             prompt_tokens=count_prompt_tokens(record.path, body),
@@ -539,6 +671,7 @@ class FakeEngine:
         else:
             record.tokens_sent = completion.n_tokens
             self.generated_tokens += completion.n_tokens
+            self._store(completion, record)
             await self._finish_json(exchange, record, 200, completion.response())
 
     async def _stream(self, exchange: Exchange, record: RequestRecord, completion: Completion, faults: Faults) -> None:
@@ -563,9 +696,17 @@ class FakeEngine:
                     record.tokens_sent += 1
                     self.generated_tokens += 1
             await exchange.send_body(b"")
+            self._store(completion, record)
             self._mark_completed(record)
         finally:
             self.stats.active_streams -= 1
+
+    def _store(self, completion: Completion, record: RequestRecord) -> None:
+        """Keep a finished Responses API answer, as vLLM does with its store on and `store` not false."""
+        if completion.api == "responses" and self.responses_store and isinstance(record.body, dict):
+            if record.body.get("store", True):
+                answer = completion.response()
+                self.stored[answer["id"]] = answer
 
     async def _finish_json(self, exchange: Exchange, record: RequestRecord, status: int, obj: Any) -> None:
         record.status = status
@@ -614,6 +755,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="a short-lived spawned helper creates a multiprocessing semaphore (vLLM's sem.mp-*) and exits "
         "without unlinking it, leaving only the resource tracker knowing its name; its path is written to PATH",
     )
+    parser.add_argument("--responses-store", action="store_true", help="as VLLM_ENABLE_RESPONSES_API_STORE=1")
     parser.add_argument("--log-level", default="warning")
     if argv[:1] != ["serve"]:
         return parser.parse_args(argv)
@@ -661,7 +803,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.leak_semaphore:
         _leak_semaphore(args.leak_semaphore)
     time.sleep(args.startup_delay)
-    app = FakeEngine(model=args.model, max_model_len=args.max_model_len, api_key=os.environ.get("VLLM_API_KEY"))
+    app = FakeEngine(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        api_key=os.environ.get("VLLM_API_KEY"),
+        # As vLLM reads it (vllm/envs.py).
+        responses_store=args.responses_store or os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") == "1",
+    )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, interface="asgi3", log_level=args.log_level, access_log=False
     )

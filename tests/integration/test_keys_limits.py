@@ -192,6 +192,8 @@ def redis_dump(url: str) -> bytes:
                 value = client.smembers(name)
             elif kind == b"list":
                 value = client.lrange(name, 0, -1)
+            elif kind == b"stream":  # the audit trail of key changes
+                value = client.xrange(name)
             else:
                 value = kind
             parts += [name, repr(value).encode()]

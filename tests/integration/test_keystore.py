@@ -232,6 +232,9 @@ async def _dump(client: redis_asyncio.Redis) -> bytes:
             parts += list(await client.smembers(name))
         elif kind == "zset":
             parts += [member async for member, _ in client.zscan_iter(name)]
+        elif kind == "stream":  # the audit trail of key changes
+            for _, entry in await client.xrange(name):
+                parts += [part for pair in entry.items() for part in pair]
         else:
             raise AssertionError(f"unexpected type {kind} for {name!r}")
     return b"\n".join(_raw(part) for part in parts)

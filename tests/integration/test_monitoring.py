@@ -230,7 +230,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[
             start_supervisor(workdir, engine_port, NEMOTRON_ENGINE__METRICS_PORT=str(supervisor_port))
         )
         gateway = stop.enter_context(run_gateway(f"http://127.0.0.1:{engine_port}", redis_url, env=GATEWAY_ENV))
-        flags = {"alpha": [], "rpm": ["--rpm", "1"], "tpm": ["--tpm", "20"], "conc": ["--max-concurrency", "1"]}
+        flags = {
+            "alpha": ["--daily-tokens", "1000000"],
+            "rpm": ["--rpm", "1"],
+            "tpm": ["--tpm", "20"],
+            "conc": ["--max-concurrency", "1"],
+        }
         secrets = create_keys(redis_url, flags)
         rules = workdir / "alerts.yml"
         shutil.copy(PROMETHEUS_DIR / "alerts.yml", rules)

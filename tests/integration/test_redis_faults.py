@@ -339,3 +339,50 @@ async def test_background_tasks_stop_in_bounded_time_with_redis_gone(
     stopped_in = time.monotonic() - started
     print(f"three services stopped in {stopped_in:.2f} s with Redis {outage}")  # noqa: T201  # README figure
     assert not lease.released
+
+
+# --- a restart under load never charges a token budget twice ---
+
+
+async def test_a_restart_under_load_never_charges_a_budget_twice(
+    private_redis: PrivateRedis, engine: FakeEngineControl
+) -> None:
+    settings = _settings(private_redis.url)
+    connection = connect_redis(settings)
+    try:
+        limits = KeyLimits(0, 0, 0, daily_tokens=1_000_000, monthly_tokens=1_000_000)
+        _, secret = await KeyStore(connection, settings).create("budget-restart", limits)
+    finally:
+        await connection.aclose()
+    env = {"NEMOTRON_AUTH__SECRET": PEPPER, "NEMOTRON_RELAY__PROBE_INTERVAL": "0.2"}
+    gateway = await asyncio.to_thread(run_gateway, engine.base_url, private_redis.url, env=env)
+    headers = {"Authorization": f"Bearer {secret}"}
+    body = {"model": MODEL, "prompt": "x " * 20, "max_tokens": 5, "fake_token_delay": 0.05}
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{gateway.port}", timeout=30, limits=httpx.Limits(max_connections=100)
+        ) as http:
+            load = [asyncio.create_task(http.post("/v1/completions", json=body, headers=headers)) for _ in range(60)]
+            await asyncio.sleep(0.1)
+            await private_redis.restart()  # mid-load: admissions and releases meet the restart
+            load += [asyncio.create_task(http.post("/v1/completions", json=body, headers=headers)) for _ in range(20)]
+            responses = await asyncio.gather(*load)
+        served = [response.json()["usage"]["total_tokens"] for response in responses if response.status_code == 200]
+        assert served, [response.status_code for response in responses]
+        day = datetime.now(UTC).strftime("%Y%m%d")
+        probe = redis_asyncio.Redis.from_url(private_redis.url, socket_timeout=5)
+        try:
+
+            async def charged_exactly() -> bool:
+                return int(await probe.get(f"nemotron:rl:{{budget-restart}}:budget:d{day}") or 0) == sum(served)
+
+            # Releases that met the restart are retried until Redis answers; then the budget holds exactly the
+            # tokens the engine reported for the served requests: nothing charged twice, no estimate left behind.
+            await async_wait_until(charged_exactly, within=10, message="the budget is not the sum of served usage")
+            usage = await probe.hgetall(f"nemotron:usage:{{budget-restart}}:{day}")
+            assert int(usage[b"/v1/completions:requests"]) == len(served)
+            assert int(usage[b"/v1/completions:tokens"]) == sum(served)
+        finally:
+            await probe.aclose()
+    finally:
+        await asyncio.to_thread(gateway.stop)

@@ -25,10 +25,12 @@ from gateway.errors import (
     NotFoundError,
     OverloadedError,
     PermissionDeniedError,
+    QuotaExceededError,
     RateLimitError,
     RequestHeadTooLargeError,
     RequestTimeoutError,
     RequestTooLargeError,
+    ResponseNotFoundError,
     RouteNotFoundError,
     ServiceUnavailableError,
 )
@@ -49,7 +51,9 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     MetricsForbiddenError: (403, "permission_error", "metrics_forbidden"),
     NotFoundError: (404, "invalid_request_error", "model_not_found"),
     RouteNotFoundError: (404, "invalid_request_error", "unknown_url"),
+    ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),
     RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),
+    QuotaExceededError: (429, "insufficient_quota", "insufficient_quota"),
     ServiceUnavailableError: (503, "service_unavailable", "service_unavailable"),
     EngineUnavailableError: (503, "service_unavailable", "engine_unavailable"),
     EngineRefusedError: (503, "service_unavailable", "engine_unavailable"),
@@ -61,6 +65,7 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     EngineTimeoutError: (504, "service_unavailable", "engine_timeout"),
 }
 RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
+    QuotaExceededError,
     RateLimitError,
     ServiceUnavailableError,
     EngineUnavailableError,
@@ -165,3 +170,21 @@ def test_headers_are_copied_not_shared() -> None:
     error = AuthenticationError("bad key", headers=given)
     given["X-Leak"] = "1"
     assert error.headers == {"WWW-Authenticate": "Bearer"}
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (InvalidRequestError("bad"), "invalid_request_error"),
+        (AuthenticationError("who"), "authentication_error"),
+        (PermissionDeniedError("no"), "permission_error"),
+        (RouteNotFoundError("where"), "not_found_error"),
+        (RequestTooLargeError("big"), "request_too_large"),
+        (RateLimitError("slow", retry_after=3), "rate_limit_error"),
+        (EngineUnavailableError("down"), "overloaded_error"),
+        (EngineTimeoutError("late"), "api_error"),
+        (InternalError("oops"), "api_error"),
+    ],
+)
+def test_anthropic_envelope_names_anthropics_error_type(error: GatewayError, kind: str) -> None:
+    assert error.to_anthropic_body() == {"type": "error", "error": {"type": kind, "message": error.message}}

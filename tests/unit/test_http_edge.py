@@ -25,15 +25,31 @@ pytestmark = pytest.mark.timeout(10)
 def test_fastapi_serves_exactly_the_tables_rows_without_a_handler() -> None:
     app = create_app(Settings())
     routed = {(method, route.path) for route in app.routes if isinstance(route, APIRoute) for method in route.methods}
-    declared = {(row.method, row.path) for row in SERVED if row.handler is None}
+    declared = {(row.method, row.path) for row in SERVED if not row.hot}
     assert routed == declared
 
 
-def test_hot_rows_are_the_two_completion_routes() -> None:
-    assert {(row.method, row.path) for row in SERVED if row.handler is not None} == {
-        ("POST", "/v1/chat/completions"),
-        ("POST", "/v1/completions"),
+def test_hot_rows_are_the_relayed_apis_and_the_stored_responses() -> None:
+    assert {(row.method, row.path, row.api) for row in SERVED if row.hot} == {
+        ("POST", "/v1/chat/completions", "chat"),
+        ("POST", "/v1/completions", "completions"),
+        ("POST", "/v1/responses", "responses"),
+        ("GET", "/v1/responses/{id}", "responses"),
+        ("POST", "/v1/responses/{id}/cancel", "responses"),
+        ("POST", "/v1/messages", "messages"),
+        ("POST", "/v1/messages/count_tokens", "messages"),
     }
+
+
+def test_a_path_with_an_id_finds_its_templated_row_and_nothing_else() -> None:
+    table = RouteTable()
+    found = table.find("GET", "/v1/responses/resp_abc")
+    assert found is not None and found.path == "/v1/responses/{id}"
+    cancel = table.find("POST", "/v1/responses/resp_abc/cancel")
+    assert cancel is not None and cancel.path == "/v1/responses/{id}/cancel"
+    assert table.find("GET", "/v1/responses/") is None
+    assert table.find("GET", "/v1/responses/a/b") is None
+    assert table.find("DELETE", "/v1/responses/resp_abc") is None
 
 
 def test_the_404_lists_what_is_served_and_405_names_the_allowed_methods() -> None:

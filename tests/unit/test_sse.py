@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay import sse as sse_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
+from gateway.relay.shapes import CHAT, MESSAGES, RESPONSES, WireShape
 from gateway.relay.sse import KEEP_ALIVE, ClientDisconnectedError, SSERelay, run_until_disconnect
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
@@ -102,7 +103,14 @@ class Client:
 
 
 class Harness:
-    def __init__(self, items: Iterable[bytes | BaseException] = (), *, strip_usage: bool = True, **relay: Any) -> None:
+    def __init__(
+        self,
+        items: Iterable[bytes | BaseException] = (),
+        *,
+        strip_usage: bool = True,
+        shape: WireShape = CHAT,
+        **relay: Any,
+    ) -> None:
         self.client = Client()
         self.content = FakeContent(items)
         self.upstream = FakeResponse(self.content)
@@ -116,6 +124,7 @@ class Harness:
             settings,
             self.metrics,
             strip_usage=strip_usage,
+            shape=shape,
             activity=self.activity,
         )
 
@@ -440,3 +449,41 @@ async def test_a_stream_the_server_cancels_ends_with_an_error_event() -> None:
     assert error_of(last)["type"] == "service_unavailable"
     assert b"[DONE]" not in h.client.body
     assert h.upstream.close_calls == 1
+
+
+_COMPLETED = (
+    b'event: response.completed\ndata: {"type":"response.completed","sequence_number":3,"response":{"id":"resp_1",'
+    b'"object":"response","status":"completed","usage":{"input_tokens":4,"output_tokens":6,'
+    b'"output_tokens_details":{"reasoning_tokens":2}}}}\n\n'
+)
+
+
+async def test_a_responses_stream_ends_at_its_completed_event_split_anywhere_and_its_usage_is_taken() -> None:
+    created = b'event: response.created\ndata: {"type":"response.created","response":{"usage":null}}\n\n'
+    cut = _COMPLETED.index(b"usage") + 3
+    harness = Harness([created, _COMPLETED[:20], _COMPLETED[20:cut], _COMPLETED[cut:], b""], shape=RESPONSES)
+    await harness.run()
+    assert harness.client.body == created + _COMPLETED
+    assert (harness.record.prompt_tokens, harness.record.completion_tokens, harness.record.reasoning_tokens) == (
+        4,
+        6,
+        2,
+    )
+    assert harness.record.response_id == "resp_1" and harness.record.engine_error is None
+
+
+async def test_a_messages_stream_cut_before_message_stop_ends_with_anthropics_error_event() -> None:
+    start = b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":3}}}\n\n'
+    harness = Harness([start, b""], shape=MESSAGES)
+    await harness.run()
+    tail = harness.client.bodies[-1]["body"]
+    assert tail.startswith(b"event: error\ndata: ")
+    event = orjson.loads(tail.split(b"data: ", 1)[1])
+    assert event["type"] == "error" and event["error"]["type"] == "overloaded_error"
+    assert harness.record.engine_error is EngineErrorKind.MID_STREAM
+
+
+def test_anthropic_usage_counts_cached_prompt_tokens_in_the_prompt() -> None:
+    record = RequestRecord(request_id="r", started_at=0.0)
+    record.take_usage({"input_tokens": 3, "output_tokens": 5, "cache_read_input_tokens": 10})
+    assert (record.prompt_tokens, record.completion_tokens) == (13, 5)

@@ -25,6 +25,14 @@ CONFIG: dict[str, Any] = {
     "model_type": "nemotron",
     "max_position_embeddings": 4096,
     "rope_theta": 10000,
+    # The sizes vLLM's ModelConfig needs to accept the config (the doctor asks it where vLLM is installed).
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "head_dim": 32,
+    "vocab_size": 1024,
 }
 TOKENIZER_CONFIG: dict[str, Any] = {
     "tokenizer_class": "PreTrainedTokenizerFast",
@@ -41,7 +49,8 @@ def write_model(
     tokenizer: bool = True,
 ) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "model.safetensors").write_bytes(bytes(64))
+    # A valid, empty safetensors file (header length, then a `{}` header): vLLM reads its header for the dtype.
+    (root / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
     if config is not None:
         (root / "config.json").write_text(json.dumps(config))
     if tokenizer_config is not None:

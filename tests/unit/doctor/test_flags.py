@@ -33,8 +33,10 @@ def rows_for(tmp_path: Path, model: str | Path, *extra_args: str, profile: str =
     """The doctor's rows for the engine the supervisor would start with this profile and these extra args."""
     settings = engine_settings(model, profile, *extra_args)
     config = doctor_config(settings, engine_profile(settings.engine)[0])
-    # Redis is not what these tests are about; the hub cache is a private one.
-    return by_name(run_checks(replace(config, redis_url=None, environ={"HF_HUB_CACHE": str(tmp_path / "hf")})))
+    # Redis is not what these tests are about; the hub cache is a private one. What each flag changes is read by the
+    # gateway's own rules here (a host without vLLM); test_engine_verdict.py holds vLLM's verdict to the same flags.
+    private = {"HF_HUB_CACHE": str(tmp_path / "hf")}
+    return by_name(run_checks(replace(config, redis_url=None, environ=private, engine_python=None)))
 
 
 def without_weights(root: Path) -> Path:
@@ -91,6 +93,11 @@ def test_the_doctor_reads_the_argv_the_supervisor_launches(tmp_path: Path) -> No
     config = doctor_config(settings, profile)
     assert (config.load_format, config.tokenizer, config.quantization) == ("dummy", str(tmp_path), "awq")
     assert config.hf_overrides == {"rope_theta": 1e4}
+    assert config.engine_python is None  # a custom launcher is not the installed vLLM's server: nothing to ask it
+    own = doctor_config(
+        settings.model_copy(update={"engine": settings.engine.model_copy(update={"launcher": None})}), profile
+    )
+    assert own.engine_python is not None and own.engine_args == tuple(argv[3:])  # the argv, without the launcher
 
 
 # --- what each flag changes in the model directory ----------------------------------------------------------

@@ -1,0 +1,154 @@
+"""KeyAudit: the trail of changes to API keys (who, when, which key, the fields before and after) in Redis.
+
+Imports redis_client and auth.keys only. The trail is one Redis stream, trimmed to
+about `auth.audit_max_entries`, so it survives gateway restarts and stays bounded. An entry holds the key record's
+fields as `ApiKey` has them (whatever fields exist: limits, budgets, models, priority...), never the secret or its
+digest, which `ApiKey` does not carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import getpass
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import orjson
+import redis.asyncio as redis_asyncio
+
+from gateway.auth.keys import ApiKey
+from gateway.redis_client import RedisCalls
+
+# The key store's hash tag: the trail lives in the key store's Redis Cluster slot.
+AUDIT_STREAM: Final = "nemotron:{keys}:audit"
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One change to one key: `before` and `after` hold the fields that changed (all of them on create)."""
+
+    at: datetime
+    operator: str
+    action: str
+    name: str
+    prefix: str
+    before: dict[str, Any]
+    after: dict[str, Any]
+
+    def as_json(self) -> dict[str, Any]:
+        """The entry as JSON-ready data."""
+        return {
+            "at": self.at.strftime("%Y-%m-%d %H:%M:%S.%fZ"),
+            "operator": self.operator,
+            "action": self.action,
+            "name": self.name,
+            "prefix": self.prefix,
+            "before": self.before,
+            "after": self.after,
+        }
+
+
+def default_operator() -> str:
+    """The OS user running this process (the CLI's operator unless `--operator` names one)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def key_fields(key: ApiKey | None) -> dict[str, Any]:
+    """A key record's fields as JSON-ready values, limits flattened (`limits.daily_tokens`); {} for no key."""
+    if key is None:
+        return {}
+    fields: dict[str, Any] = {}
+    for name, value in dataclasses.asdict(key).items():
+        if isinstance(value, dict):
+            fields.update({f"{name}.{inner}": _plain(item) for inner, item in value.items()})
+        else:
+            fields[name] = _plain(value)
+    return fields
+
+
+def changes(before: ApiKey | None, after: ApiKey | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fields that differ between two versions of a key record, as (before, after); all of them when one is
+    None (a key created)."""
+    old, new = key_fields(before), key_fields(after)
+    if before is None or after is None:
+        return old, new  # created (or gone): every field
+    changed = [name for name in dict.fromkeys([*old, *new]) if old.get(name) != new.get(name)]
+    return {name: old[name] for name in changed if name in old}, {name: new[name] for name in changed if name in new}
+
+
+class KeyAudit:
+    """Appends to and reads the audit trail of key changes."""
+
+    def __init__(self, redis: redis_asyncio.Redis, calls: RedisCalls, max_entries: int, operator: str | None) -> None:
+        self._redis = redis
+        self._calls = calls
+        self._max_entries = max_entries
+        self.operator = operator or default_operator()
+
+    async def record(self, action: str, before: ApiKey | None, after: ApiKey | None) -> None:
+        """Append one change (`action`: create, set, rotate, revoke, ...) of a key."""
+        current = after or before
+        if current is None:
+            return
+        old, new = changes(before, after)
+        entry = {
+            "at": str(round(datetime.now(UTC).timestamp() * 1_000_000)),
+            "operator": self.operator,
+            "action": action,
+            "name": current.name,
+            "prefix": current.prefix,
+            "before": orjson.dumps(old).decode(),
+            "after": orjson.dumps(new).decode(),
+        }
+        stream, cap = AUDIT_STREAM, self._max_entries
+        await self._calls(lambda: self._redis.xadd(stream, entry, maxlen=cap, approximate=True))  # type: ignore[arg-type]
+
+    async def read(self, name: str | None = None, limit: int = 100) -> list[AuditEntry]:
+        """The newest `limit` entries (of key `name`, when given), oldest first."""
+        entries: list[AuditEntry] = []
+        last = "+"
+        while len(entries) < limit:
+            batch = await self._calls(functools.partial(self._redis.xrevrange, AUDIT_STREAM, last, "-", 500))
+            if not batch:
+                break
+            for _, raw in batch:
+                entry = _entry(raw or {})
+                if name is None or entry.name == name:
+                    entries.append(entry)
+                    if len(entries) >= limit:
+                        break
+            last = "(" + _text(batch[-1][0] or "")
+            if len(batch) < 500:
+                break
+        return entries[::-1]
+
+
+def _entry(raw: Mapping[bytes | str, bytes | str]) -> AuditEntry:
+    fields = {_text(field): _text(value) for field, value in raw.items()}
+    return AuditEntry(
+        at=datetime.fromtimestamp(int(fields["at"]) / 1_000_000, UTC),
+        operator=fields.get("operator", ""),
+        action=fields.get("action", ""),
+        name=fields.get("name", ""),
+        prefix=fields.get("prefix", ""),
+        before=orjson.loads(fields.get("before") or "{}"),
+        after=orjson.loads(fields.get("after") or "{}"),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    if isinstance(value, tuple | list):
+        return list(value)
+    return value

@@ -1,0 +1,76 @@
+"""The wire shapes of the APIs the gateway relays: how each one's stream ends and how its errors look.
+
+Chat and text completions end a stream with `data: [DONE]` and carry errors in OpenAI's envelope; the
+Responses API ends with a terminal `response.*` event and reports a failure as an `event: error`; the
+Anthropic Messages API ends with `message_stop` and speaks Anthropic's error envelope. A route declares its
+shape (gateway/routes/table.py); the relay and the dispatcher read it. Imports errors only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import orjson
+
+from gateway.errors import GatewayError
+
+_DONE = b"data: [DONE]"
+
+
+def _openai_event(error: GatewayError) -> bytes:
+    # The OpenAI SDK raises APIError on any event whose data carries an `error` object.
+    return b"data: " + error.to_json() + b"\n\n"
+
+
+def _responses_event(error: GatewayError) -> bytes:
+    # The Responses stream's own error event (`type: error` with code, message, param), with OpenAI's envelope
+    # under `error` as well: the OpenAI SDK raises APIError on that object, a typed reader sees its event.
+    envelope = error.to_openai_body()["error"]
+    event = {"type": "error", "code": error.code, "message": error.message, "param": error.param, "error": envelope}
+    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+def _anthropic_event(error: GatewayError) -> bytes:
+    # The Anthropic SDK raises its APIStatusError on `event: error`.
+    return b"event: error\ndata: " + error.to_anthropic_json() + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class WireShape:
+    """What differs between the relayed APIs on the wire; `api` names the API in metrics and the access log."""
+
+    api: str
+    # Markers of a finished stream, in the data line of its last event (which carries the usage, so the relay
+    # settles only once that line is whole): a chunk holding one ends the engine's answer.
+    end_markers: tuple[bytes, ...]
+    error_event: Callable[[GatewayError], bytes]
+    error_body: Callable[[GatewayError], bytes]
+    # Whether the gateway added a usage-only chunk the client did not ask for (chat's `stream_options`).
+    strips_usage: bool = False
+
+    def ends(self, chunk: bytes) -> bool:
+        """Whether `chunk` finishes the stream."""
+        if self.end_markers == (_DONE,):
+            return chunk[-24:].rstrip().endswith(_DONE)
+        return any(marker in chunk for marker in self.end_markers)
+
+
+def _openai_body(error: GatewayError) -> bytes:
+    return error.to_json()
+
+
+def _anthropic_body(error: GatewayError) -> bytes:
+    return error.to_anthropic_json()
+
+
+CHAT = WireShape("chat", (_DONE,), _openai_event, _openai_body, strips_usage=True)
+COMPLETIONS = WireShape("completions", (_DONE,), _openai_event, _openai_body, strips_usage=True)
+# vLLM ends these streams with their terminal event and no `[DONE]` (its JSON is compact: no spaces).
+RESPONSES = WireShape(
+    "responses",
+    (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"', b'"type":"error"'),
+    _responses_event,
+    _openai_body,
+)
+MESSAGES = WireShape("messages", (b'"type":"message_stop"', b'"type":"error"'), _anthropic_event, _anthropic_body)

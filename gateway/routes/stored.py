@@ -1,0 +1,117 @@
+"""Stored Responses API answers: who may read, continue or cancel one, and the routes that do.
+
+vLLM keeps a response (in its memory) only when the operator turned its store on (`engine.responses_store`);
+otherwise the requests that need one get a clear 400 (validation) or 404 (here). With the store on, the id of
+every response is mapped in Redis to the name of the key that created it (never the secret), for
+`engine.responses_store_ttl`; another key's id, or an unknown one, is a 404 as OpenAI answers it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import Request
+from redis.exceptions import RedisError
+
+from gateway.auth import ApiKey
+from gateway.deps import get_record, get_services, require_api_key
+from gateway.errors import InvalidRequestError, KeyStoreUnavailableError, ResponseNotFoundError
+from gateway.relay.shapes import RESPONSES
+from gateway.requestlog import RequestRecord
+from gateway.services import Services
+from gateway.types import ASGIApp
+from gateway.validation import STORE_OFF, PreparedRequest, parse_json_object
+
+_OWNER = "nemotron:response:{}"
+# Response ids are vLLM's `resp_<hex>`; anything else is not one, and never reaches Redis or the engine.
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def _owner(key: ApiKey | None) -> str:
+    # With auth off there is one caller: every response is its own.
+    return key.name if key is not None else "-"
+
+
+async def _check_owner(services: Services, key: ApiKey | None, response_id: str, param: str | None) -> None:
+    missing = ResponseNotFoundError(f"No response found with id {response_id[:80]!a}.", param=param)
+    if len(response_id) > 128 or not set(response_id) <= _ID_CHARS:
+        raise missing
+    try:
+        owner = await services.redis.get(_OWNER.format(response_id))
+    except RedisError:
+        raise KeyStoreUnavailableError("The key store is unavailable; retry shortly.") from None
+    if owner is None or (owner.decode() if isinstance(owner, bytes) else owner) != _owner(key):
+        raise missing
+
+
+async def remember_owner(
+    request: Request, key: ApiKey | None, prepared: PreparedRequest, record: RequestRecord
+) -> Callable[[], Awaitable[None]] | None:
+    """POST /v1/responses with the store on: a `previous_response_id` must be the key's own; the new response's id
+    is remembered as the key's once the exchange ends."""
+    services = get_services(request)
+    if not services.settings.engine.responses_store:
+        return None
+    previous = parse_json_object(prepared.body).get("previous_response_id")
+    if isinstance(previous, str):
+        await _check_owner(services, key, previous, "previous_response_id")
+
+    async def remember() -> None:
+        if record.response_id is None:
+            return
+        ttl = int(services.settings.engine.responses_store_ttl)
+        try:
+            await services.redis.set(_OWNER.format(record.response_id), _owner(key), ex=ttl)
+        except RedisError:
+            # The answer is out already; the response is then only unreadable later (a 404), never another's.
+            pass
+
+    return remember
+
+
+def _response_id(request: Request) -> str:
+    # /v1/responses/{id} or /v1/responses/{id}/cancel
+    return request.url.path.split("/")[3]
+
+
+async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
+    services = get_services(request)
+    record = get_record(request)
+    key = await require_api_key(request, services)
+    response_id = _response_id(request)
+    if not services.settings.engine.responses_store:
+        raise ResponseNotFoundError(STORE_OFF.format(what="reading or cancelling a stored response"))
+    await _check_owner(services, key, response_id, None)
+    await services.monitor.require_ready()
+    path = f"/v1/responses/{response_id}" + ("/cancel" if cancel else "")
+    stream = False
+    if not cancel:
+        stream = request.query_params.get("stream", "false").lower() == "true"
+        query = {k: v for k, v in request.query_params.items() if k in ("stream", "starting_after")}
+        if any(not value.isalnum() for value in query.values()):
+            raise InvalidRequestError("'stream' and 'starting_after' take true/false and a number.")
+        if query:
+            path += "?" + "&".join(f"{k}={v}" for k, v in query.items())
+    record.stream = stream
+    return await services.relay.forward(
+        path,
+        b"",
+        record,
+        request.receive,
+        stream=stream,
+        strip_usage=False,
+        headers={},
+        settle=None,
+        shape=RESPONSES,
+        method="POST" if cancel else "GET",
+    )
+
+
+async def retrieve(request: Request) -> ASGIApp:
+    """GET /v1/responses/{id}: a stored response (or its events, `?stream=true`), for the key that created it."""
+    return await _stored(request, cancel=False)
+
+
+async def cancel(request: Request) -> ASGIApp:
+    """POST /v1/responses/{id}/cancel: cancel a stored background response of the key that created it."""
+    return await _stored(request, cancel=True)

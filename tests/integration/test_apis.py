@@ -1,0 +1,386 @@
+"""The Responses API and Anthropic's Messages API through real gateway processes, real Redis and the fake engine:
+event framing kept, usage counted, heartbeats, a dying or frozen engine ending the stream with the event each SDK
+raises on, Anthropic's error envelope, bounds, the stored-response switch and ownership, the access log's API.
+Gateway `on` has the response store on; `off` has it off and the nemotron-nano-9b-v2 preset (a `/think` line).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import orjson
+import pytest
+import redis
+
+from gateway.settings import DEFAULT_SYSTEM_MESSAGE
+from tests.procs import REPO_ROOT, FakeEngineControl, ServerProcess, run_fake_engine, run_gateway, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+MODEL = "nemotron-test"
+PEPPER = "apis-test-pepper"
+BASE_ENV = {
+    "NEMOTRON_AUTH__SECRET": PEPPER,
+    "NEMOTRON_RELAY__PROBE_INTERVAL": "0.2",
+    "NEMOTRON_RELAY__HEARTBEAT_INTERVAL": "0.3",
+    "NEMOTRON_RELAY__CHUNK_TIMEOUT": "2",
+    "NEMOTRON_MAX_MESSAGES": "50",
+    "NEMOTRON_MAX_LIST_ENTRIES": "60",
+}
+HI = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def store_engine() -> Iterator[FakeEngineControl]:
+    with run_fake_engine(responses_store=True) as process:
+        yield FakeEngineControl(process)
+
+
+@pytest.fixture(scope="module")
+def gateways(store_engine: FakeEngineControl, redis_url: str) -> Iterator[dict[str, ServerProcess]]:
+    on = {**BASE_ENV, "NEMOTRON_ENGINE__RESPONSES_STORE": "true"}
+    off = {**BASE_ENV, "NEMOTRON_ENGINE__PRESET": "nemotron-nano-9b-v2"}
+    with (
+        run_gateway(store_engine.base_url, redis_url, env=on) as on_proc,
+        run_gateway(store_engine.base_url, redis_url, env=off) as off_proc,
+    ):
+        yield {"on": on_proc, "off": off_proc}
+
+
+@pytest.fixture
+def urls(gateways: dict[str, ServerProcess], store_engine: FakeEngineControl) -> dict[str, str]:
+    store_engine.reset()
+    return {name: f"http://127.0.0.1:{proc.port}" for name, proc in gateways.items()}
+
+
+def new_key(redis_url: str, *flags: str) -> str:
+    name = f"apis-{uuid.uuid4().hex[:8]}"
+    argv = [sys.executable, "-m", "gateway", "keys", "create", "--name", name, *flags, "--redis-url", redis_url]
+    done = subprocess.run(
+        argv,
+        cwd=REPO_ROOT,
+        env={**os.environ, "NEMOTRON_AUTH__SECRET": PEPPER},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def key(redis_url: str) -> str:
+    return new_key(redis_url)
+
+
+def oai(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=20)
+
+
+def claude(url: str, key: str) -> anthropic.Anthropic:
+    # The key as `x-api-key`, as Anthropic's API wants it (this SDK's `api_key` is sent as a Bearer token).
+    return anthropic.Anthropic(base_url=url, default_headers={"x-api-key": key}, max_retries=0, timeout=20)
+
+
+def blocks(raw: bytes) -> list[bytes]:
+    return [b for b in raw.split(b"\n\n") if b.strip()]
+
+
+def post_raw(url: str, path: str, key: str, body: dict[str, Any], **headers: str) -> bytes:
+    with httpx.stream("POST", f"{url}{path}", json=body, headers={"x-api-key": key, **headers}, timeout=20) as response:
+        assert response.status_code == 200, response.read()
+        return b"".join(response.iter_raw())
+
+
+def metric(url: str, name: str, labels: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f"{name}{{{labels}}} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+# --- streams: framing, usage, heartbeats, failures ---
+
+
+def test_a_responses_stream_keeps_its_event_framing_and_its_usage_is_counted(urls: dict[str, str], key: str) -> None:
+    url = urls["on"]
+    before = {
+        k: metric(url, "nemotron_gateway_api_tokens_total", f'api="responses",kind="{k}"')
+        for k in ("prompt", "completion", "reasoning")
+    }
+    raw = post_raw(
+        url, "/v1/responses", key, {"model": MODEL, "input": "one two three", "stream": True, "max_output_tokens": 6}
+    )
+    events = blocks(raw)
+    assert [e.split(b"\n")[0] for e in events] == [
+        b"event: response.created",
+        *[b"event: response.output_text.delta"] * 6,
+        b"event: response.completed",
+    ]
+    assert b"[DONE]" not in raw
+    with oai(url, key) as sdk:
+        final = list(sdk.responses.create(model=MODEL, input="one two three", stream=True, max_output_tokens=4))[-1]
+    assert final.type == "response.completed"
+    after = {k: metric(url, "nemotron_gateway_api_tokens_total", f'api="responses",kind="{k}"') for k in before}
+    # Prompt: three words and the default system message's words, twice; output 6 + 4, reasoning half of it.
+    prompt = 3 + len(DEFAULT_SYSTEM_MESSAGE.split())
+    assert after["prompt"] - before["prompt"] == 2 * prompt
+    assert after["completion"] - before["completion"] == 10
+    assert after["reasoning"] - before["reasoning"] == 5
+    assert metric(url, "nemotron_gateway_api_requests_total", 'api="responses",status="200"') >= 2
+
+
+def test_a_messages_stream_with_a_silent_engine_gets_heartbeats_and_its_usage_counted(
+    urls: dict[str, str], key: str, store_engine: FakeEngineControl
+) -> None:
+    url = urls["on"]
+    before = metric(url, "nemotron_gateway_api_tokens_total", 'api="messages",kind="completion"')
+    body = {"model": MODEL, "max_tokens": 3, "messages": HI, "stream": True, "fake_prefill_delay": 1.0}
+    raw = post_raw(url, "/v1/messages", key, body, **{"anthropic-version": "2023-06-01"})
+    assert raw.startswith(b": keep-alive\n\n") and raw.count(b": keep-alive") >= 2
+    assert raw.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    with claude(url, key) as sdk:
+        with sdk.messages.stream(model=MODEL, max_tokens=5, messages=HI) as stream:  # type: ignore[arg-type]
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+    assert text == "tok0 tok1 tok2 tok3 tok4" and final.usage.output_tokens == 5
+    after = metric(url, "nemotron_gateway_api_tokens_total", 'api="messages",kind="completion"')
+    assert after - before == 8
+    # The Anthropic SDK's headers reach the engine; the client's key does not.
+    sent = [r for r in store_engine.requests() if r["path"] == "/v1/messages"][-1]["headers"]
+    assert sent["anthropic-version"] and "x-api-key" not in sent and key not in str(sent)
+
+
+def test_an_engine_dying_mid_stream_ends_each_stream_with_the_error_event_its_sdk_raises(
+    urls: dict[str, str], key: str
+) -> None:
+    url = urls["on"]
+    raw = post_raw(
+        url,
+        "/v1/responses",
+        key,
+        {"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 20, "fake_die_after": 3},
+    )
+    name, data = blocks(raw)[-1].split(b"\n")
+    event = orjson.loads(data[6:])
+    assert name == b"event: error" and event["type"] == "error" and event["code"] == "engine_unavailable"
+    assert "incomplete" in event["message"]
+    with oai(url, key) as sdk, pytest.raises(openai.APIError, match="incomplete"):
+        list(
+            sdk.responses.create(
+                model=MODEL, input="Hi", stream=True, max_output_tokens=20, extra_body={"fake_die_after": 3}
+            )
+        )
+    raw = post_raw(
+        url,
+        "/v1/messages",
+        key,
+        {"model": MODEL, "messages": HI, "stream": True, "max_tokens": 20, "fake_die_after": 3},
+    )
+    name, data = blocks(raw)[-1].split(b"\n")
+    assert name == b"event: error"
+    assert orjson.loads(data[6:])["error"]["type"] == "overloaded_error"
+    with claude(url, key) as sdk, pytest.raises(anthropic.APIStatusError, match="incomplete"):
+        with sdk.messages.stream(model=MODEL, max_tokens=20, messages=HI, extra_body={"fake_die_after": 3}) as stream:  # type: ignore[arg-type]
+            list(stream)
+
+
+def test_a_frozen_engine_ends_responses_and_messages_streams_with_a_timeout_event(
+    urls: dict[str, str], key: str
+) -> None:
+    url = urls["on"]
+    raw = post_raw(
+        url,
+        "/v1/responses",
+        key,
+        {"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 3, "fake_token_delay": 10},
+    )
+    assert orjson.loads(blocks(raw)[-1].split(b"\n")[1][6:])["code"] == "engine_timeout"
+    raw = post_raw(
+        url,
+        "/v1/messages",
+        key,
+        {"model": MODEL, "messages": HI, "stream": True, "max_tokens": 3, "fake_token_delay": 10},
+    )
+    assert orjson.loads(blocks(raw)[-1].split(b"\n")[1][6:])["error"]["type"] == "api_error"
+
+
+def test_a_client_leaving_a_responses_stream_closes_the_engine_request(
+    urls: dict[str, str], key: str, store_engine: FakeEngineControl
+) -> None:
+    body = {"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 200, "fake_token_delay": 0.05}
+    with httpx.stream(
+        "POST", f"{urls['on']}/v1/responses", json=body, headers={"authorization": f"Bearer {key}"}, timeout=20
+    ) as response:
+        for index, _ in enumerate(response.iter_lines()):
+            if index == 6:
+                break
+    wait_until(lambda: store_engine.requests()[-1]["disconnected"], timeout=10, message="engine request still open")
+    assert store_engine.requests()[-1]["tokens_sent"] < 200
+
+
+# --- errors in each API's envelope ---
+
+
+def test_anthropic_routes_answer_in_anthropics_envelope_and_the_sdk_raises_its_own_classes(
+    urls: dict[str, str], key: str, redis_url: str
+) -> None:
+    url = urls["on"]
+    with claude(url, "sk-" + "A" * 43) as sdk, pytest.raises(anthropic.AuthenticationError) as wrong:
+        sdk.messages.create(model=MODEL, max_tokens=4, messages=HI)  # type: ignore[arg-type]
+    assert wrong.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": wrong.value.body["error"]["message"]},
+    }  # type: ignore[index]
+    with claude(url, key) as sdk:
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            sdk.messages.create(model=MODEL, max_tokens="4", messages=HI)  # type: ignore[arg-type]
+        assert "max_tokens" in bad.value.body["error"]["message"]  # type: ignore[index]
+        with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.role"):
+            sdk.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "system", "content": "x"}])  # type: ignore[list-item]
+        with pytest.raises(anthropic.NotFoundError):
+            sdk.messages.create(model="gpt-4", max_tokens=4, messages=HI)  # type: ignore[arg-type]
+    limited = new_key(redis_url, "--rpm", "1")
+    with claude(url, limited) as sdk:
+        sdk.messages.create(model=MODEL, max_tokens=2, messages=HI)  # type: ignore[arg-type]
+        with pytest.raises(anthropic.RateLimitError) as over:
+            sdk.messages.create(model=MODEL, max_tokens=2, messages=HI)  # type: ignore[arg-type]
+    assert over.value.response.headers["retry-after"] and over.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    counted = httpx.post(
+        f"{url}/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": HI},
+        headers={"authorization": f"Bearer {key}"},
+    )
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == 2 + len(DEFAULT_SYSTEM_MESSAGE.split())
+
+
+def test_responses_validation_names_the_field_in_openais_envelope(urls: dict[str, str], key: str) -> None:
+    with oai(urls["on"], key) as sdk:
+        for body, param in (
+            ({"input": "Hi", "max_output_tokens": "5"}, "max_output_tokens"),
+            ({"input": 5}, "input"),
+            ({"input": [{"role": "User", "content": "x"}]}, "input[0].role"),
+            ({"input": "Hi", "stream": "yes"}, "stream"),
+            ({"input": "Hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+            ({"input": [{"role": "user", "content": "x"}] * 51}, "input"),
+            # Counted exactly once parsed (these parts carry no `"type"` to count in the raw body).
+            ({"input": [{"role": "user", "content": [{"text": "x"}] * 61}]}, "input"),
+        ):
+            with pytest.raises(openai.BadRequestError) as bad:
+                sdk.post("/responses", body={"model": MODEL, **body}, cast_to=httpx.Response)
+            assert bad.value.body["param"] == param, bad.value.body  # type: ignore[index]
+    with claude(urls["on"], key) as sdk, pytest.raises(anthropic.BadRequestError, match="list entries"):
+        sdk.messages.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [{"type": "text", "text": "x"}] * 61}]
+        )  # type: ignore[list-item]
+
+
+def test_openai_sdk_resources_not_served_are_a_clear_404(urls: dict[str, str], key: str) -> None:
+    with oai(urls["on"], key) as sdk:
+        calls = [
+            lambda: sdk.embeddings.create(model=MODEL, input="x"),
+            lambda: sdk.files.list(),
+            lambda: sdk.batches.list(),
+            lambda: sdk.images.generate(prompt="x"),
+            lambda: sdk.moderations.create(input="x"),
+            lambda: sdk.audio.speech.create(model=MODEL, voice="alloy", input="x"),
+            lambda: sdk.fine_tuning.jobs.list(),
+            lambda: sdk.vector_stores.list(),
+        ]
+        for call in calls:
+            with pytest.raises(openai.NotFoundError) as missing:
+                call()
+            assert "is not served here" in missing.value.body["message"]  # type: ignore[index]
+
+
+# --- policy: instructions, reasoning ---
+
+
+def test_instructions_carry_the_default_system_message_and_the_reasoning_switch(
+    urls: dict[str, str], key: str, store_engine: FakeEngineControl
+) -> None:
+    with oai(urls["off"], key) as sdk:
+        sdk.responses.create(model=MODEL, input="Hi", reasoning={"effort": "none"}, max_output_tokens=2)
+        sent = store_engine.requests()[-1]["body"]
+        assert sent["instructions"] == f"{DEFAULT_SYSTEM_MESSAGE}\n/no_think"
+        assert sent["chat_template_kwargs"] == {"enable_thinking": False}
+        sdk.responses.create(
+            model=MODEL, input="Hi", instructions="Be brief.", reasoning={"effort": "high"}, max_output_tokens=2
+        )
+        sent = store_engine.requests()[-1]["body"]
+        assert sent["instructions"] == "Be brief.\n/think" and sent["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+# --- stored responses ---
+
+
+def test_with_the_store_off_requests_needing_it_are_refused_clearly(urls: dict[str, str], key: str) -> None:
+    with oai(urls["off"], key) as sdk:
+        for extra in ({"previous_response_id": "resp_1"}, {"background": True}):
+            with pytest.raises(openai.BadRequestError, match="Stored responses are off") as refused:
+                sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **extra)  # type: ignore[arg-type]
+            assert refused.value.body["param"] == next(iter(extra))  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError, match="Stored responses are off"):
+            sdk.responses.retrieve("resp_1")
+        with pytest.raises(openai.NotFoundError, match="Stored responses are off"):
+            sdk.responses.cancel("resp_1")
+
+
+def test_a_stored_response_belongs_to_the_key_that_created_it(urls: dict[str, str], key: str, redis_url: str) -> None:
+    other = new_key(redis_url)
+    with oai(urls["on"], key) as sdk:
+        made = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+        assert sdk.responses.retrieve(made.id).id == made.id
+        streamed = list(sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2, stream=True))[-1]
+        assert sdk.responses.retrieve(streamed.response.id).id == streamed.response.id  # type: ignore[union-attr]
+        sdk.responses.create(model=MODEL, input="Go on", previous_response_id=made.id, max_output_tokens=2)
+    with oai(urls["on"], other) as sdk:
+        with pytest.raises(openai.NotFoundError, match="No response found"):
+            sdk.responses.retrieve(made.id)
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.cancel(made.id)
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.create(model=MODEL, input="Go on", previous_response_id=made.id, max_output_tokens=2)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        owner_key = f"nemotron:response:{made.id}"
+        owner = client.get(owner_key)
+        assert owner is not None and owner.decode().startswith("apis-") and key not in owner.decode()
+        assert 0 < client.ttl(owner_key) <= 86400
+    finally:
+        client.close()
+
+
+def test_the_access_log_and_route_labels_name_the_api(
+    urls: dict[str, str], key: str, gateways: dict[str, ServerProcess]
+) -> None:
+    with oai(urls["on"], key) as sdk:
+        sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve("resp_missing")
+    wait_until(lambda: "api=responses" in gateways["on"].log_text(), timeout=5)
+    assert metric(urls["on"], "nemotron_gateway_requests_total", 'route="/v1/responses/{id}",status="404"') >= 1
+
+
+def test_the_gpu_checker_script_reports_all_four_calls(urls: dict[str, str], key: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "loadtest/gpu/apis.py", "--url", urls["on"], "--key", key, "--model", MODEL],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = orjson.loads(done.stdout)
+    assert report["responses_stream"]["events"][-1] == "response.completed"
+    assert report["messages_stream"]["events"][0] == "message_start"
+    assert report["messages"]["usage"]["output_tokens"] == 32 and report["responses"]["text_length"] > 0
