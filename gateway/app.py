@@ -18,6 +18,7 @@ from gateway import __version__
 from gateway.errors import GatewayError, InternalError, InvalidRequestError
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import ForwardedClientMiddleware, RequestContextMiddleware
+from gateway.relay.shared import SharedEngineState
 from gateway.routes import RouteTable, health, metrics, openai
 from gateway.services import Services
 from gateway.settings import Settings
@@ -101,14 +102,16 @@ class _Dispatcher:
         await response(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the gateway app; `settings` defaults to the environment (and env file)."""
+def create_app(settings: Settings | None = None, shared: SharedEngineState | None = None) -> FastAPI:
+    """Build the gateway app; `settings` defaults to the environment (and env file). `shared`: the engine view this
+    process shares with the other workers of its gateway (made before they were forked), else one of its own."""
     settings = settings or Settings()
+    engine_view = shared or SharedEngineState()
     gateway_metrics = GatewayMetrics(per_key=settings.metrics.per_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        services = Services.build(settings, gateway_metrics)
+        services = Services.build(settings, gateway_metrics, engine_view)
         await services.start()
         app.state.services = services
         logger.info("nemotron-gateway %s serving, engine %s", __version__, settings.engine_url)
@@ -132,13 +135,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(Exception, _on_unexpected_error)
     table = RouteTable()
-    app.state.readiness = health.Readiness()
+    app.state.readiness = health.Readiness(engine_view)
     app.add_middleware(_Dispatcher, metrics=gateway_metrics, table=table)
     app.add_middleware(
         RequestContextMiddleware,
         metrics=gateway_metrics,
         routes=table.paths,
         access_log=settings.access_log,
+        log_probes=settings.log_probes,
         log_format=settings.log_format,
         http=settings.http,
     )

@@ -7,6 +7,7 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      │   ├─ RequestTooLargeError 413  invalid_request_error   code=request_too_large
      │   ├─ RequestHeadTooLargeError 431                  code=request_header_too_large
      │   ├─ RequestTimeoutError  408                      code=request_timeout
+     │   ├─ MalformedRequestError 400                     code=invalid_http_request
      │   └─ MethodNotAllowedError 405                     code=method_not_allowed, + Allow
      ├─ AuthenticationError      401  authentication_error    code=invalid_api_key
      ├─ PermissionDeniedError    403  permission_error        code=model_not_allowed
@@ -112,6 +113,12 @@ class RequestTimeoutError(InvalidRequestError):
 
     status_code = 408
     code = "request_timeout"
+
+
+class MalformedRequestError(InvalidRequestError):
+    """The bytes received are not an HTTP/1.1 request (answered by the HTTP server, which then closes)."""
+
+    code = "invalid_http_request"
 
 
 class MethodNotAllowedError(InvalidRequestError):

@@ -34,8 +34,9 @@ _VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
 CLIENT_CLOSED_REQUEST = 499
 # Where ForwardedClientMiddleware keeps the socket's peer while uvicorn's proxy middleware runs.
 _PEER = "gateway.peer"
-# Prometheus's scrapes (every few seconds) are not access-logged.
+# Prometheus's scrapes (every few seconds) are not access-logged; probes (/health, /ready) only with `log_probes`.
 _SCRAPES = frozenset(("/metrics", "/metrics/engine"))
+_PROBES = frozenset(("/health", "/ready"))
 
 
 def loggable(text: str) -> str:
@@ -106,6 +107,7 @@ class RequestContextMiddleware:
         routes: frozenset[str],
         http: HttpSettings,
         access_log: bool = True,
+        log_probes: bool = False,
         log_format: str = "text",
     ) -> None:
         self.app = app
@@ -114,6 +116,7 @@ class RequestContextMiddleware:
         self.routes = routes
         self.http = http
         self.access_log = access_log
+        self._unlogged = _SCRAPES if log_probes else _SCRAPES | _PROBES
         self._log = _json_line if log_format == "json" else _text_line
         # Labelled children looked up once: `.labels()` on every request showed in the profile.
         self._by_route: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -172,7 +175,7 @@ class RequestContextMiddleware:
             metrics.rate_limited.labels(record.cause or "requests").inc()
         elif status == 401:
             metrics.auth_failures.labels(record.cause or "invalid").inc()
-        if self.access_log and route not in _SCRAPES:
+        if self.access_log and route not in self._unlogged:
             self._log(scope, record, status, duration, ttft)
 
 

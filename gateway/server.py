@@ -24,13 +24,20 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.app import create_app
-from gateway.errors import GatewayError, OverloadedError, RequestHeadTooLargeError, RequestTimeoutError
+from gateway.errors import (
+    GatewayError,
+    MalformedRequestError,
+    OverloadedError,
+    RequestHeadTooLargeError,
+    RequestTimeoutError,
+)
 from gateway.multiproc import forget_worker
-from gateway.relay.shared import engine_seen_ready
+from gateway.relay.shared import SharedEngineState
 from gateway.relay.sse import BODY_WRITER
 from gateway.settings import Settings, inherited_listen_fd
 from gateway.workers import STARTUP_FAILURE, WorkerPool, usable_cores
@@ -89,6 +96,7 @@ class ClientLimits:
     slow_heads: _ThrottledLog
     slow_bodies: _ThrottledLog
     large_heads: _ThrottledLog
+    malformed: _ThrottledLog
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ClientLimits:
@@ -103,6 +111,7 @@ class ClientLimits:
             slow_heads=_ThrottledLog("closed %d connection(s) whose request head took longer than %g s"),
             slow_bodies=_ThrottledLog("closed %d connection(s) whose request body took longer than %g s"),
             large_heads=_ThrottledLog("refused %d request(s) with a head over %d bytes (431)"),
+            malformed=_ThrottledLog("refused %d malformed request(s) (400), the last: %s"),
         )
 
 
@@ -208,7 +217,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # began in is not counted, which errs towards admitting) and stop before httptools buffers it all.
         # The exact size is checked when the head is complete.
         head_was_open = self._head_open
-        super().data_received(data)
+        self._feed(data)
         if self._finished():
             return
         if head_was_open and self._head_open:
@@ -219,6 +228,36 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is None and not self._head_open and self._idle():
             # Bytes that begin no request (blank lines) must not keep a connection open forever either.
             self._start_head_timer()
+
+    def _feed(self, data: bytes) -> None:
+        # uvicorn's data_received, except for bytes httptools cannot parse: uvicorn logs a warning for each such
+        # request and answers in text/plain; here the log is throttled and the answer is a 400 in the envelope.
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            reason = str(exc)[:100] or type(exc).__name__
+            self._limits.malformed.event(reason)
+            self._malformed(MalformedRequestError(f"The request is not valid HTTP/1.1 ({reason}); fix it and resend."))
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def _malformed(self, error: MalformedRequestError) -> None:
+        cycle: RequestResponseCycle | None = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if not cycle.more_body:
+                # The bad bytes follow a complete request (pipelined): answer that one, then close.
+                self._done = True
+                cycle.keep_alive = False
+                self.flow.pause_reading()
+                return
+            if cycle.response_started:
+                self._close(None)  # never written into a response going out
+                return
+        self._close(error)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -364,10 +403,18 @@ def serve(settings: Settings) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return STARTUP_FAILURE
-    target = functools.partial(serve_socket, settings, limits)
-    engine_seen_ready()  # made before the fork: the workers share it (see gateway/relay/shared.py)
+    # Made before the fork, so the workers share one view of the engine (see gateway/relay/shared.py).
+    shared = SharedEngineState()
+    target = functools.partial(serve_socket, settings, limits, shared=shared)
     # A dead worker's in-flight gauge must not stay in the sum the others' scrapes report.
-    pool = WorkerPool(workers, target, sock, drain=settings.shutdown_grace, on_exit=forget_worker)
+    pool = WorkerPool(
+        workers,
+        target,
+        sock,
+        drain=settings.shutdown_grace,
+        on_exit=forget_worker,
+        on_stop=shared.mark_draining,
+    )
     return pool.run()
 
 
@@ -386,10 +433,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_socket(settings: Settings, limits: ClientLimits, sock: socket.socket | None) -> int:
-    """Build the app and run it under uvicorn, on `sock` or (None) on a socket of its own; the exit code."""
+def serve_socket(
+    settings: Settings, limits: ClientLimits, sock: socket.socket | None, shared: SharedEngineState | None = None
+) -> int:
+    """Build the app and run it under uvicorn, on `sock` or (None) on a socket of its own; the exit code. `shared`:
+    the engine view of the pool this worker belongs to."""
     config = ServerConfig(
-        create_app(settings),
+        create_app(settings, shared),
         limits=limits,
         host=settings.host,
         port=settings.port,

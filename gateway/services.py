@@ -20,6 +20,7 @@ from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.exchange import EngineRelay
 from gateway.relay.monitor import EngineMonitor
+from gateway.relay.shared import SharedEngineState
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,11 @@ class Services:
     exposition: Exposition
 
     @classmethod
-    def build(cls, settings: Settings, metrics: GatewayMetrics) -> Services:
-        """Construct (nothing is connected until `start`)."""
+    def build(cls, settings: Settings, metrics: GatewayMetrics, shared: SharedEngineState) -> Services:
+        """Construct (nothing is connected until `start`); `shared` is the gateway's one view of the engine, which
+        every worker process of it shares."""
         engine = EngineClient(settings)
-        activity = EngineActivity()
+        activity = EngineActivity(shared)
         monitor = EngineMonitor(engine, settings, metrics, activity)
         redis = connect_redis(settings)
         return cls(

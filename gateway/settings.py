@@ -436,6 +436,11 @@ class Settings(BaseSettings):
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Write one access-log line per request.")
+    log_probes: bool = Field(
+        False,
+        description="Also access-log /health and /ready (a load balancer's or `make run`'s probes, several a "
+        "second); they are counted in the metrics either way.",
+    )
     log_format: Literal["text", "json"] = Field(
         "text",
         description="Access-log format: `text` (one human line) or `json` (one JSON object per request, for a log "

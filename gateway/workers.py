@@ -76,10 +76,14 @@ class WorkerPool:
         *,
         drain: float,
         on_exit: Callable[[int], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         self._count = count
         # Told each dead worker's pid (its live metrics go with it; see multiproc.forget_worker).
         self._on_exit = on_exit
+        # Called from the stop signal's handler, before the workers are told: it must only record (a flag in
+        # shared memory that makes every worker's /ready say 503 at once).
+        self._on_stop = on_stop
         self._target = target
         self._sock = sock
         self._drain = drain
@@ -110,6 +114,8 @@ class WorkerPool:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stopping = True
+        if self._on_stop is not None:
+            self._on_stop()
 
     def _stop_requested(self) -> bool:
         return self._stopping

@@ -221,7 +221,7 @@ class EngineRelay:
         except GatewayError as exc:
             record.engine_error = error_kind(exc)
             if record.engine_error is EngineErrorKind.REFUSED:
-                self._monitor.mark_down("connection refused")
+                self._monitor.mark_refused()
             logger.warning(
                 "engine request %s (client id %s) failed: %s", record.engine_request_id, record.request_id, exc.message
             )

@@ -1,4 +1,4 @@
-"""EngineMonitor: the gateway's own cached view of the engine (ready or why not, served model, context length).
+"""EngineMonitor: this worker's window on the gateway's one view of the engine (ready or why not, served model).
 
 Requests are refused with a fast 503 while the engine is known to be down, instead of each one
 waiting on a hung engine. Readiness must not flap under load, and must mean "it generates":
@@ -7,18 +7,20 @@ waiting on a hung engine. Readiness must not flap under load, and must mean "it 
 - stuck ("engine not generating"): the engine generated since it came up (a cold engine's first
   generations may be slow), then a one-token generation probe failed, no progress was seen since it
   started, and either nothing was in flight or requests waited `stall_timeout` seconds without a
-  chunk or answer. The requests in flight are then ended with an error;
+  chunk or answer. The requests in flight are then ended with an error. Only progress clears it: vLLM's
+  /health stays 200 while its engine core hangs;
 - never down for a late /health alone: a saturated engine answers /health late while it streams.
 
-Progress (chunks, answers) is what the relay records in `EngineActivity`; the generation probe runs
-only when the engine has been quiet for `probe_interval`.
+Readiness is one fact per gateway (see gateway/relay/shared.py): the verdict lives in the gateway's
+SharedEngineState, and the worker holding the probe turn is the only one that probes /health and sends the
+idle generation probe; the others read the verdict (no I/O) and take the turn over when its holder stops
+renewing it. So every worker answers /ready, and admits or refuses a request, the same way. A worker that
+has not learned the model the prober found (a new epoch: the engine came up) learns it before it answers
+(`confirmed_reason`), waiting at most `CONFIRM_WAIT`, so a /ready 200 from one worker means the next request
+is served by any of them.
 
-Each gateway worker has its own monitor. So that /ready answering 200 from one worker means the next
-request is served by any of them, a monitor that last saw the engine down, and learns from
-`engine_seen_ready()` that another worker has seen it ready since, probes again before it refuses
-(`confirmed_reason`): one probe, shared by the callers that arrive meanwhile, waited on for at most
-`CONFIRM_WAIT` (a refused connection or a /health answer take milliseconds; a port that accepts and
-never answers must not hold requests). Without that word, a refusal costs the engine nothing.
+Progress (chunks, answers) is what the relay records in `EngineActivity`; the generation probe runs
+only when the whole gateway has seen the engine quiet for `probe_interval`.
 Imports settings, errors, metrics, the background-task helper and the relay's client, activity, model
 and shared modules.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 
 from gateway.background import BackgroundTask
@@ -36,101 +39,116 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.model import ModelInfo
-from gateway.relay.shared import SharedInstant, engine_seen_ready
+from gateway.relay.shared import (
+    HEALTH_STATUS,
+    HEALTHY,
+    KEY_REFUSED,
+    MODELS_UNAVAILABLE,
+    REFUSED,
+    SharedEngineState,
+)
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 NOT_GENERATING = "engine not generating"
-CONFIRM_WAIT = 0.5  # seconds a request waits for the confirming probe of an engine last seen down
+MODEL_UNKNOWN = "model unknown"
+CONFIRM_WAIT = 0.5  # seconds a request waits for this worker to learn the model the prober found
+_FIRST_VERDICT_POLL = 0.05  # seconds between two looks at the shared record while a starting worker waits
 
 
 class EngineMonitor:
-    """Probes the engine on an interval, judges whether it generates, and remembers what it serves."""
+    """Takes its turn probing the engine, judges whether it generates, and remembers what it serves."""
 
     def __init__(
-        self,
-        client: EngineClient,
-        settings: Settings,
-        metrics: GatewayMetrics,
-        activity: EngineActivity,
-        seen_ready: SharedInstant | None = None,
+        self, client: EngineClient, settings: Settings, metrics: GatewayMetrics, activity: EngineActivity
     ) -> None:
         self._client = client
         self._settings = settings
         self._relay = settings.relay
         self._metrics = metrics
         self._activity = activity
-        self._health_reason: str | None = "not probed yet"  # refused, non-200 /health, or the model unknown
-        self._seen_down_at = 0.0  # when the probe or request that last found the engine down started
-        # When any worker of this gateway last found it ready (a test passes its own).
-        self._seen_ready = seen_ready or engine_seen_ready()
-        self._stuck = False
-        self._probe_failed_since: float | None = None  # start of the last failed generation probe
+        self._shared: SharedEngineState = activity.shared
+        # Who holds the probe turn: this monitor, not this process (two monitors may share a process in tests).
+        self._token = int.from_bytes(os.urandom(7), "big") | 1
+        # Renewed on every tick; long enough that a holder's own slow check does not lose it.
+        self._lease = 2 * self._relay.probe_interval + self._relay.probe_timeout
+        self._probe_failed_since: float | None = None  # start of the last failed generation probe (the prober's)
         self._generation_probe: asyncio.Task[None] | None = None
         self._probe_refused_logged = False
-        # Progress seen before the engine last came up; "stuck" is judged only once it generated since
-        # (a cold CPU engine's first generations may outlast the probe timeout).
-        self._progress_mark = activity.last_progress
-        self._published: str | None = "not probed yet"
+        self._published: str | None = "not probed yet"  # the last verdict this worker logged
+        self._ended_for = 0.0  # the `stuck_since` whose exchanges this worker has ended
         self._check_running: asyncio.Future[str | None] | None = None
+        self._catching_up: asyncio.Future[None] | None = None
         self.model: ModelInfo | None = None
+        self._model_epoch = -1  # the engine's epoch `model` was learned in
         self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self.check)
 
     async def start(self) -> None:
-        """Probe once now (so the first requests know), then keep probing in the background."""
+        """Take the probe turn and probe once now when no other worker holds it, or wait (a bounded time) for the
+        first verdict of the one that does and learn what it found; then keep doing so in the background. So the
+        first requests a worker serves know the engine's state, as they would had it probed itself."""
         await self.check()
+        deadline = time.monotonic() + 2 * self._relay.probe_timeout + CONFIRM_WAIT
+        while not self._shared.verdict().probed and time.monotonic() < deadline:
+            await asyncio.sleep(_FIRST_VERDICT_POLL)
+            await self.check()  # takes the turn over should its holder have stopped
+        await self.confirmed_reason()
         self._task.start()
 
     async def stop(self) -> None:
         """Stop probing."""
         await self._task.stop()
-        for running in (self._generation_probe, self._check_running):
+        for running in (self._generation_probe, self._check_running, self._catching_up):
             if running is not None:
                 running.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await running
-        self._generation_probe = self._check_running = None
+        self._generation_probe = self._check_running = self._catching_up = None
 
     def ready_reason(self) -> str | None:
-        """None when the engine is ready, else a short reason ("connection refused"); cached, no I/O."""
-        if self._health_reason is not None:
-            return self._health_reason
-        if self._stuck:
-            return NOT_GENERATING
-        if self.model is None:
-            return "model unknown"
+        """None when the engine is ready, else a short reason ("connection refused"); the shared verdict, no I/O."""
+        verdict = self._shared.verdict()
+        if verdict.reason is not None:
+            return verdict.reason
+        if self.model is None or self._model_epoch != verdict.epoch:
+            return MODEL_UNKNOWN
         return None
 
     async def confirmed_reason(self) -> str | None:
-        """`ready_reason()`, asked again of the engine first when this process last saw it down and another
-        worker has seen it ready since (not when stuck: liveness judges that)."""
-        if self._health_reason is not None and self._seen_ready.value() > self._seen_down_at:
+        """`ready_reason()`, after learning the served model first when the prober has found the engine ready and
+        this worker does not know what it serves yet (shared by the callers meanwhile, at most CONFIRM_WAIT)."""
+        if self.ready_reason() == MODEL_UNKNOWN:
+            if self._catching_up is None:
+                self._catching_up = asyncio.ensure_future(self._catch_up())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.check(), CONFIRM_WAIT)
+                # shield: one caller's timeout must not cancel what the others wait for.
+                await asyncio.wait_for(asyncio.shield(self._catching_up), CONFIRM_WAIT)
         return self.ready_reason()
 
     async def require_ready(self) -> ModelInfo:
-        """The served model, or EngineUnavailableError (503 + Retry-After) while the engine is not ready
-        (confirmed: see `confirmed_reason`)."""
+        """The served model, or EngineUnavailableError (503 + Retry-After) while the engine is not ready."""
         reason = await self.confirmed_reason()
         if reason is not None or self.model is None:
             raise EngineUnavailableError(
-                f"The model engine is not ready ({reason or 'model unknown'}); retry shortly.",
+                f"The model engine is not ready ({reason or MODEL_UNKNOWN}); retry shortly.",
                 retry_after=self._relay.retry_after,
             )
         return self.model
 
-    def mark_down(self, reason: str) -> None:
-        """A request found the engine unreachable (`reason`, short): refuse fast until /health answers 200."""
-        self._health_reason = reason
-        self._seen_down_at = time.monotonic()
-        self._publish()
+    def mark_refused(self) -> None:
+        """A request found the engine refusing connections: every worker refuses fast until /health answers 200."""
+        self._shared.publish_down(REFUSED, time.monotonic())
+        self._follow()
 
     async def check(self) -> str | None:
-        """Probe /health now (learning the model once it is healthy), judge liveness; `ready_reason()`.
+        """Probe /health now when this worker holds (or can take) the probe turn, and judge liveness; else follow
+        the verdict of the worker that does. `ready_reason()`.
 
-        Callers that arrive while a check runs share it (the periodic one and requests confirming)."""
+        Callers that arrive while a check runs share it."""
+        if not self._shared.take_probe_turn(self._token, self._lease):
+            self._follow()
+            return self.ready_reason()
         if self._check_running is None:
             self._check_running = asyncio.ensure_future(self._check())
         # shield: one caller's cancellation must not cancel the check the others wait for.
@@ -139,73 +157,87 @@ class EngineMonitor:
     async def _check(self) -> str | None:
         started = time.monotonic()
         try:
-            self._health_reason = await self._probe_health()
-            if self._health_reason is None and self.model is None:
-                self._health_reason = await self._learn_model()
-            if self._health_reason is not None:
-                self._seen_down_at = started
+            health = await self._probe_health()
+            shared = self._shared
+            verdict = shared.verdict()
+            down = verdict.down
+            fresh = started >= shared.verdict_at  # no newer evidence (a refused request) was published meanwhile
+            if health is not None and health[0] != HEALTHY:
+                if fresh:
+                    shared.publish_down(health[0], started, detail=health[1])
+            elif health is not None and (down is not None or self.model is None or self._model_epoch != verdict.epoch):
+                learned = await self._learn_model()
+                if learned != HEALTHY:
+                    shared.publish_down(learned, started)
+                elif down is None:
+                    self._model_epoch = shared.verdict().epoch  # up all along: this worker took the turn over
+                elif fresh:
+                    shared.publish_up(started)  # it came up: a new epoch, not stuck
+                    self._model_epoch = shared.verdict().epoch
             self._judge_liveness()
-            self._publish()
+            self._follow()
             return self.ready_reason()
         finally:
             self._check_running = None
 
-    async def _probe_health(self) -> str | None:
+    async def _probe_health(self) -> tuple[int, int] | None:
+        """(code, detail) for the shared verdict, or None when inconclusive."""
         try:
             status = await self._client.health(self._relay.probe_timeout)
         except EngineRefusedError:
-            return "connection refused"
+            return REFUSED, 0
         except GatewayError as exc:
             # Late or cut short: a busy engine does this too, so it decides nothing (liveness does).
             logger.debug("engine /health inconclusive: %s", exc.message)
-            return self._health_reason
-        return None if status == 200 else f"/health answered {status}"
+            return None
+        return (HEALTHY, 0) if status == 200 else (HEALTH_STATUS, status)
 
-    async def _learn_model(self) -> str | None:
+    async def _learn_model(self) -> int:
         try:
             listing = await self._client.get_json("/v1/models", self._relay.probe_timeout)
             self.model = ModelInfo.from_listing(listing, self._settings)
         except EngineCredentialsError as exc:
             logger.error("%s", exc.message)
-            return "engine key refused"
+            return KEY_REFUSED
         except GatewayError as exc:
             logger.warning("engine model list unavailable: %s", exc.message)
-            return "model list unavailable"
+            return MODELS_UNAVAILABLE
         logger.info("engine serves %r (context length %s)", self.model.name, self.model.context_length)
-        return None
+        return HEALTHY
+
+    async def _catch_up(self) -> None:
+        try:
+            epoch = self._shared.verdict().epoch
+            if await self._learn_model() == HEALTHY:
+                self._model_epoch = epoch
+        finally:
+            self._catching_up = None
 
     def _judge_liveness(self, *, may_probe: bool = True) -> None:
-        """Start a generation probe when the engine has been quiet (`may_probe`); decide whether it is stuck.
+        """The prober's: start a generation probe when the gateway has seen the engine quiet (`may_probe`);
+        decide whether it is stuck.
 
         Probes start only from the periodic check, so an engine that fails them fast is not hammered.
         """
-        activity = self._activity
-        if self._health_reason is not None or self.model is None:
-            self._stuck = False
+        shared = self._shared
+        verdict = shared.verdict()
+        if verdict.down is not None or self.model is None:
             self._probe_failed_since = None
-            self._progress_mark = activity.last_progress
             return
-        quiet = activity.quiet_for()
+        last_progress = shared.last_progress
+        quiet = time.monotonic() - last_progress
         if may_probe and self._generation_probe is None and quiet >= self._relay.probe_interval:
             self._generation_probe = asyncio.create_task(
                 self._probe_generation(self.model.name), name="engine-generation-probe"
             )
         failed_since = self._probe_failed_since
-        if failed_since is not None and activity.last_progress >= failed_since:
+        if failed_since is not None and last_progress >= failed_since:
             failed_since = self._probe_failed_since = None  # it generated after all
-        warmed_up = activity.last_progress > self._progress_mark
-        stuck = (
-            warmed_up and failed_since is not None and (activity.in_flight == 0 or quiet >= self._relay.stall_timeout)
-        )
-        if stuck and not self._stuck:
-            ended = activity.abort_all()
-            logger.warning(
-                "engine is not generating: no progress for %.1f s and a generation probe failed; "
-                "%d request(s) in flight ended",
-                quiet,
-                ended,
-            )
-        self._stuck = stuck
+        if verdict.stuck or failed_since is None or last_progress <= shared.progress_mark:
+            return  # stuck already, no failed probe, or not warmed up since it came up
+        if shared.in_flight() == 0 or quiet >= self._relay.stall_timeout:
+            shared.mark_stuck(failed_since)
+            logger.warning("engine is not generating: no progress for %.1f s and a generation probe failed", quiet)
 
     async def _probe_generation(self, model: str) -> None:
         started = time.monotonic()
@@ -221,28 +253,42 @@ class EngineMonitor:
                 logger.warning("engine generation probe answered %d; liveness rests on traffic alone", status)
         except EngineRefusedError:
             self._generation_probe = None
-            self.mark_down("connection refused")
+            self.mark_refused()
             return
         except GatewayError as exc:
             failure = exc.message
         finally:
             self._generation_probe = None
-        if failure is not None and self._activity.last_progress < started:
+        if failure is not None and self._shared.last_progress < started:
             logger.info("engine generation probe failed: %s", failure)
             self._probe_failed_since = started
         self._judge_liveness(may_probe=False)
-        self._publish()
+        self._follow()
 
-    def _publish(self) -> None:
-        reason = self.ready_reason()
+    def _follow(self) -> None:
+        """Act on the shared verdict in this worker: end its exchanges once the engine is found stuck, forget the
+        model while it is down (it may come back as another) and learn it once it is up, log a change (the prober
+        only: one line per gateway), set the gauge (the gateway's verdict, as in every worker)."""
+        shared = self._shared
+        verdict = shared.verdict()
+        if verdict.stuck and shared.stuck_since != self._ended_for:
+            self._ended_for = shared.stuck_since
+            ended = self._activity.abort_all()
+            if ended:
+                logger.warning("engine not generating: %d request(s) in flight ended", ended)
+        if verdict.down is not None:
+            self.model = None
+        elif self._model_epoch != verdict.epoch and self._catching_up is None and not verdict.stuck:
+            # The prober found it ready: learn the model now rather than on the first request that reaches us.
+            self._catching_up = asyncio.ensure_future(self._catch_up())
+        reason = verdict.reason
         if reason != self._published:
+            level = logging.INFO if reason is None else logging.WARNING
+            if not self._shared.holds_probe_turn(self._token):
+                level = logging.DEBUG
             if reason is None:
-                self._seen_ready.record_now()
-                logger.info("engine is ready")
+                logger.log(level, "engine is ready")
             else:
-                logger.warning("engine is not ready: %s", reason)
-            if self._health_reason is not None:
-                # Down, not merely stuck: it may come back as another model or context length (a restart).
-                self.model = None
+                logger.log(level, "engine is not ready: %s", reason)
             self._published = reason
         self._metrics.engine_up.set(0 if reason else 1)

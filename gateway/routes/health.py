@@ -16,20 +16,33 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway.deps import get_services
+from gateway.relay.shared import SharedEngineState
 
 router = APIRouter()
 
 
 class Readiness:
-    """Redis's ping result, kept for `ttl` seconds; concurrent callers share one ping. `draining` is set by
-    the server once a stop signal arrived: the process finishes what it has and takes nothing new."""
+    """Redis's ping result, kept for `ttl` seconds; concurrent callers share one ping. `draining`: a stop signal
+    arrived, at this process (the server sets it) or at the gateway's pool parent (the flag it set in the shared
+    engine view before it signals the workers, so every worker answers 503 at once): the process finishes what it
+    has and takes nothing new."""
 
-    def __init__(self, ttl: float = 1.0) -> None:
+    def __init__(self, shared: SharedEngineState | None = None, ttl: float = 1.0) -> None:
         self.ttl = ttl
-        self.draining = False
+        self._shared = shared
+        self._stopping = False
         self._checked_at = -float("inf")
         self._reason: str | None = None
         self._running: asyncio.Future[str | None] | None = None
+
+    @property
+    def draining(self) -> bool:
+        """Whether this process or its gateway got a stop signal."""
+        return self._stopping or (self._shared is not None and self._shared.draining)
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._stopping = value
 
     async def redis(self, ping: Callable[[], Awaitable[str | None]]) -> str | None:
         """None when Redis answered within the last `ttl` seconds, else why not (ping run when stale)."""

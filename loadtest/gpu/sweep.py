@@ -54,7 +54,8 @@ def children_by_parent() -> dict[int, list[int]]:
     return tree
 
 
-def _cmdline(pid: int) -> str:
+def command_line(pid: int) -> str:
+    """A process's command line, arguments joined by spaces (empty once it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as source:
             return source.read().replace(b"\0", b" ").decode(errors="replace")
@@ -80,7 +81,7 @@ def stack_processes(root: int) -> dict[int, str]:
     tree, found, todo = children_by_parent(), {}, [root]
     while todo:
         pid = todo.pop()
-        role = role_of(_cmdline(pid))
+        role = role_of(command_line(pid))
         if role is not None:
             found[pid] = role
         todo.extend(tree.get(pid, ()))

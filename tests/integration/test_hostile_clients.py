@@ -286,13 +286,53 @@ def test_forwarded_for_from_a_trusted_proxy_is_believed_only_when_it_is_an_addre
 ) -> None:
     marker = "xff-" + str(time.monotonic_ns())
     response = httpx.get(
-        f"http://127.0.0.1:{port}/health",
+        f"http://127.0.0.1:{port}/v1/models",  # /health would not be access-logged (probes are not, by default)
         headers={"X-Forwarded-For": forwarded, "X-Request-ID": marker},
         timeout=10,
     )
     assert response.status_code == 200
     line = wait_until(lambda: access_lines(gateway, marker), timeout=10)[0]
-    assert re.search(rf"gateway\.access: {re.escape(logged)} \"GET /health\"", line), line
+    assert re.search(rf"gateway\.access: {re.escape(logged)} \"GET /v1/models\"", line), line
+
+
+# --- malformed requests ------------------------------------------------------------------------------------
+
+MALFORMED = [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-\x01Bad: 1\r\n\r\n",  # a control character in a header name
+    b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n",
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03",  # TLS spoken to the plain-HTTP port
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",  # not a chunk size
+]
+
+
+def test_malformed_requests_get_a_400_envelope_and_a_throttled_log_line(gateway: ServerProcess, port: int) -> None:
+    # Before: uvicorn logged "Invalid HTTP request received" for each (500 warnings in 0.12 s) and answered text/plain.
+    warned_before = gateway.log_text().count("malformed request")
+    answers = []
+    for index in range(500):
+        with connect(port) as sock:
+            sock.sendall(MALFORMED[index % len(MALFORMED)])
+            answers.append(read_all(sock))
+    for raw in answers:
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), raw[:200]
+        assert b"content-type: application/json" in head.lower() and b"connection: close" in head.lower(), head
+        error = orjson.loads(body)["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http_request"), error
+        assert "not valid HTTP/1.1" in error["message"]
+    log = gateway.log_text()
+    assert "Invalid HTTP request received" not in log
+    assert 1 <= log.count("malformed request") - warned_before <= 2, "malformed requests are logged throttled"
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+
+
+def test_bytes_that_are_not_http_after_a_request_let_that_request_be_answered(port: int) -> None:
+    with connect(port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + MALFORMED[0])
+        raw = read_all(sock)
+    assert status_and_body(raw)[0] == 200, raw[:300]
+    assert b"HTTP/1.1 400" not in raw and b"connection: close" in raw.lower(), raw[:500]
 
 
 # --- a flood of connections ---------------------------------------------------------------------------

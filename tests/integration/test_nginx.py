@@ -138,7 +138,8 @@ def test_the_gateway_sees_the_client_address_nginx_forwards(
     client: httpx.Client, stack: tuple[str, ServerProcess]
 ) -> None:
     # nginx appends its peer (127.0.0.1, a trusted proxy) to X-Forwarded-For; the gateway logs the address before.
-    response = client.get("/health", headers={"X-Forwarded-For": "203.0.113.9", "X-Request-ID": "xff-check-1"})
+    # Not /health: probes are not access-logged by default.
+    response = client.get("/v1/models", headers={"X-Forwarded-For": "203.0.113.9", "X-Request-ID": "xff-check-1"})
     assert response.status_code == 200
     gateway = stack[1]
     log = wait_until(lambda: gateway.log_text() if "xff-check-1" in gateway.log_text() else None, timeout=3)

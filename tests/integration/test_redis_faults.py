@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +21,7 @@ from pydantic import SecretStr
 
 from gateway.auth import ApiKey, KeyLimits, KeyStore
 from gateway.errors import KeyStoreUnavailableError
-from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter
+from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter, lua
 from gateway.redis_client import connect_redis
 from gateway.settings import AuthSettings, RateLimitSettings, Settings
 from tests.conftest import _redis_server_binary, redis_answers
@@ -234,17 +235,42 @@ async def test_an_admission_that_timed_out_in_a_redis_stall_frees_its_slot_when_
             assert opened == [200, 200], opened
 
 
+async def test_a_stalled_admission_run_on_resume_gets_its_token_charge_back(
+    private_redis: PrivateRedis, client: redis_asyncio.Redis
+) -> None:
+    limiter = RedisRateLimiter(client, _settings(private_redis.url))
+    key = ApiKey(name="stalled-tokens", prefix="sk-abcdef", created_at=datetime.now(UTC), limits=KeyLimits(0, 1000, 2))
+    try:
+        # Scripts loaded and the pool warm: the admission itself is what waits in the stalled Redis.
+        await limiter.release(await limiter.acquire(key, 0))
+        private_redis.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(KeyStoreUnavailableError):
+                await limiter.acquire(key, 600)
+        finally:
+            private_redis.signal(signal.SIGCONT)
+        await async_wait_until(lambda: _lease_count(private_redis.url, key.name) == 0, within=5)
+        # 600 more tokens fit in the 1000 a minute only if the late admission's 600 were given back.
+        lease = await async_wait_until(lambda: _admitted(limiter, key, 600), within=5, interval=0.1)
+        await limiter.release(lease)
+    finally:
+        await limiter.stop()
+
+
+async def _admitted(limiter: RedisRateLimiter, key: ApiKey, tokens: int) -> Lease | None:
+    with contextlib.suppress(Exception):
+        return await limiter.acquire(key, tokens)
+    return None
+
+
 # --- a reply lost after the command ran: the retry does not charge twice ---
 
 
-class ReplyDroppingProxy:
-    """A TCP proxy to Redis that, for the next `drops` EVALSHA commands, forwards the command and then
-    closes the client's connection before the reply comes back: the command ran, the client saw it fail."""
+class RedisProxy:
+    """A TCP proxy to Redis on a free port; `forward` decides what becomes of each chunk a client sends."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
-        self.drops = 0
-        self.dropped = 0
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -257,26 +283,25 @@ class ReplyDroppingProxy:
             self._server.close()
             await self._server.wait_closed()
 
+    async def forward(self, data: bytes, upstream: asyncio.StreamWriter, replies: asyncio.Task[None]) -> bool:
+        """Send `data` on to Redis; False hangs up on the client."""
+        upstream.write(data)
+        await upstream.drain()
+        return True
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
 
         async def downstream() -> None:
-            while data := await up_reader.read(65536):
-                writer.write(data)
-                await writer.drain()
+            with contextlib.suppress(ConnectionError):
+                while data := await up_reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
 
         pump = asyncio.create_task(downstream())
         try:
             while data := await reader.read(65536):
-                drop = self.drops > 0 and b"EVALSHA" in data.upper()
-                if drop:
-                    self.drops -= 1
-                    pump.cancel()
-                up_writer.write(data)
-                await up_writer.drain()
-                if drop:
-                    await asyncio.sleep(0.2)  # let Redis run it, then hang up on the client unanswered
-                    self.dropped += 1
+                if not await self.forward(data, up_writer, pump):
                     return
         finally:
             pump.cancel()
@@ -284,6 +309,26 @@ class ReplyDroppingProxy:
                 stream.close()
                 with contextlib.suppress(Exception):
                     await stream.wait_closed()
+
+
+class ReplyDroppingProxy(RedisProxy):
+    """For the next `drops` EVALSHA commands, forwards the command and then closes the client's connection
+    before the reply comes back: the command ran, the client saw it fail."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(target_port)
+        self.drops = 0
+        self.dropped = 0
+
+    async def forward(self, data: bytes, upstream: asyncio.StreamWriter, replies: asyncio.Task[None]) -> bool:
+        if not (self.drops > 0 and b"EVALSHA" in data.upper()):
+            return await super().forward(data, upstream, replies)
+        self.drops -= 1
+        replies.cancel()
+        await super().forward(data, upstream, replies)
+        await asyncio.sleep(0.2)  # let Redis run it, then hang up on the client unanswered
+        self.dropped += 1
+        return False
 
 
 async def test_an_admission_whose_reply_was_lost_is_retried_without_charging_twice(
@@ -308,6 +353,50 @@ async def test_an_admission_whose_reply_was_lost_is_retried_without_charging_twi
         third = await direct.acquire(key, 0)
         assert third.headers["x-ratelimit-remaining-requests"] == "0", "the lost reply charged the key twice"
     finally:
+        await through_proxy.aclose()
+        await proxy.stop()
+
+
+class AdmissionDelayingProxy(RedisProxy):
+    """Holds the next admission script's command `delay` seconds before forwarding it: the gateway's admission
+    times out meanwhile, and its background release reaches Redis first."""
+
+    def __init__(self, target_port: int, delay: float) -> None:
+        super().__init__(target_port)
+        self.delay = delay
+        self.holds = 0
+        self.held = 0
+        self._admission = hashlib.sha1(lua.ACQUIRE.encode()).hexdigest().encode()  # Redis names a script by its SHA-1
+
+    async def forward(self, data: bytes, upstream: asyncio.StreamWriter, replies: asyncio.Task[None]) -> bool:
+        if self.holds > 0 and self._admission in data:
+            self.holds -= 1
+            await asyncio.sleep(self.delay)
+            self.held += 1
+        return await super().forward(data, upstream, replies)
+
+
+async def test_an_admission_its_release_overtook_is_not_admitted(
+    private_redis: PrivateRedis, client: redis_asyncio.Redis
+) -> None:
+    settings = _settings(private_redis.url)
+    proxy = AdmissionDelayingProxy(private_redis.port, delay=2 * settings.redis.command_timeout)
+    await proxy.start()
+    through_proxy = connect_redis(_settings(f"redis://127.0.0.1:{proxy.port}/0"))
+    limiter = RedisRateLimiter(through_proxy, _settings(f"redis://127.0.0.1:{proxy.port}/0"))
+    key = ApiKey(name="overtaken", prefix="sk-abcdef", created_at=datetime.now(UTC), limits=KeyLimits(0, 1000, 1))
+    try:
+        await limiter.release(await limiter.acquire(key, 0))  # scripts loaded, pool warm
+        proxy.holds = 1
+        with pytest.raises(KeyStoreUnavailableError):
+            await limiter.acquire(key, 600)
+        await async_wait_until(lambda: proxy.held == 1, within=10)
+        await asyncio.sleep(0.5)  # the held admission has run by now
+        assert _lease_count(private_redis.url, key.name) == 0, "an admission already released took a slot"
+        # Nor was it charged: 1000 tokens still fit (a key with one slot).
+        await limiter.release(await RedisRateLimiter(client, settings).acquire(key, 1000))
+    finally:
+        await limiter.stop()
         await through_proxy.aclose()
         await proxy.stop()
 
@@ -380,8 +469,8 @@ async def test_a_restart_under_load_never_charges_a_budget_twice(
             # tokens the engine reported for the served requests: nothing charged twice, no estimate left behind.
             await async_wait_until(charged_exactly, within=10, message="the budget is not the sum of served usage")
             usage = await probe.hgetall(f"nemotron:usage:{{budget-restart}}:{day}")
-            assert int(usage[b"/v1/completions:requests"]) == len(served)
-            assert int(usage[b"/v1/completions:tokens"]) == sum(served)
+            assert int(usage[b"completions:requests"]) == len(served)
+            assert int(usage[b"completions:tokens"]) == sum(served)
         finally:
             await probe.aclose()
     finally:

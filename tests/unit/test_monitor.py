@@ -17,7 +17,7 @@ from gateway.relay import monitor as monitor_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.monitor import NOT_GENERATING, EngineMonitor
-from gateway.relay.shared import SharedInstant
+from gateway.relay.shared import SharedEngineState
 from gateway.settings import Settings
 from tests.procs import async_wait_until, free_port
 
@@ -33,7 +33,7 @@ class Engine:
     generations: int = 0
     health_calls: int = 0
     models_status: int = 200
-    health_calls: int = 0
+    models_delay: float = 0.0
     aborted: list[str] = field(default_factory=list)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -42,6 +42,7 @@ class Engine:
         return web.Response(status=self.health_status)
 
     async def models(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.models_delay)
         if self.models_status != 200:
             return web.json_response({"error": "Unauthorized"}, status=self.models_status)
         return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
@@ -88,14 +89,12 @@ async def served() -> AsyncIterator[tuple[Engine, str]]:
 
 
 @contextlib.asynccontextmanager
-async def _monitoring(
-    url: str, activity: EngineActivity, probe_interval: float, seen_ready: SharedInstant
-) -> AsyncIterator[EngineMonitor]:
+async def _monitoring(url: str, activity: EngineActivity, probe_interval: float) -> AsyncIterator[EngineMonitor]:
     relay = {"probe_interval": probe_interval, "probe_timeout": 0.2, "generation_probe_timeout": 0.3}
     settings = Settings(engine_url=url, relay={**relay, "stall_timeout": 1.0})
     client = EngineClient(settings)
     await client.start()
-    monitor = EngineMonitor(client, settings, GatewayMetrics(), activity, seen_ready)
+    monitor = EngineMonitor(client, settings, GatewayMetrics(), activity)
     await monitor.start()
     try:
         yield monitor
@@ -108,28 +107,21 @@ async def _monitoring(
 async def rig(served: tuple[Engine, str]) -> AsyncIterator[Rig]:
     engine, url = served
     activity = EngineActivity()
-    async with _monitoring(url, activity, 0.1, SharedInstant()) as monitor:
+    async with _monitoring(url, activity, 0.1) as monitor:
         yield Rig(engine, monitor, activity)
 
 
 @pytest.fixture
 async def workers(served: tuple[Engine, str]) -> AsyncIterator[tuple[Engine, EngineMonitor, EngineMonitor]]:
-    """Two gateway workers' monitors of one engine, sharing when one last saw it ready; each probes only when
-    a test says (no periodic probe in the test's time)."""
+    """Two gateway workers' monitors of one engine, sharing one engine view; the first holds the probe turn (it
+    started first), and each checks only when a test says (no periodic check in the test's time)."""
     engine, url = served
-    seen_ready = SharedInstant()
+    shared = SharedEngineState()
     async with (
-        _monitoring(url, EngineActivity(), 3600, seen_ready) as first,
-        _monitoring(url, EngineActivity(), 3600, seen_ready) as second,
+        _monitoring(url, EngineActivity(shared), 3600) as first,
+        _monitoring(url, EngineActivity(shared), 3600) as second,
     ):
         yield engine, first, second
-
-
-async def _both_see_it_down(engine: Engine, *monitors: EngineMonitor) -> None:
-    engine.health_status = 503
-    for monitor in monitors:
-        assert await monitor.check() == "/health answered 503"
-    engine.health_status = 200
 
 
 async def test_a_late_health_alone_never_makes_the_engine_unready(rig: Rig) -> None:
@@ -184,7 +176,7 @@ async def test_busy_engine_without_progress_is_stuck_after_the_stall_timeout_and
 
 
 async def test_a_cold_engine_whose_first_generations_are_slow_is_not_stuck(rig: Rig) -> None:
-    rig.monitor.mark_down("connection refused")  # as after a restart
+    rig.monitor.mark_refused()  # as after a restart
     rig.engine.generation_delay = 5.0
     assert await rig.monitor.check() is None
     await asyncio.sleep(1.0)  # probes started and timed out
@@ -193,58 +185,71 @@ async def test_a_cold_engine_whose_first_generations_are_slow_is_not_stuck(rig: 
 
 
 async def test_refused_generation_probe_or_health_is_connection_refused(rig: Rig) -> None:
-    rig.monitor.mark_down("connection refused")
+    rig.monitor.mark_refused()
     assert rig.monitor.ready_reason() == "connection refused"
     assert await rig.monitor.check() is None, "a /health 200 clears it"
 
 
-async def test_a_worker_that_saw_the_engine_down_asks_again_once_another_saw_it_ready(
+async def test_two_workers_give_one_verdict_and_only_the_turn_holder_probes(
     workers: tuple[Engine, EngineMonitor, EngineMonitor],
 ) -> None:
     engine, first, second = workers
-    await _both_see_it_down(engine, first, second)
-    assert await first.check() is None  # the engine is back, and the first worker's probe saw it
-    assert second.ready_reason() == "/health answered 503"
+    probes = engine.health_calls
+    engine.health_status = 503
+    # The first holds the probe turn: the second does not probe, it answers what the first last found.
+    assert await second.check() is None
+    assert engine.health_calls == probes
+    assert await first.check() == "/health answered 503"
+    assert second.ready_reason() == "/health answered 503", "what the first found, the second answers"
+    engine.health_status = 200
+    assert await first.check() is None
     model = await second.require_ready()  # what /ready's 200 promised: the second worker serves too
     assert model.name == "m"
     assert second.ready_reason() is None
+    assert engine.health_calls == probes + 2
 
 
-async def test_without_word_from_another_worker_a_refusal_costs_the_engine_nothing(
+async def test_a_refusal_seen_by_one_worker_refuses_in_every_worker_until_the_prober_sees_it_back(
     workers: tuple[Engine, EngineMonitor, EngineMonitor],
 ) -> None:
-    engine, first, second = workers
-    await _both_see_it_down(engine, first, second)
-    probes = engine.health_calls
-    reasons = [await second.confirmed_reason() for _ in range(100)]  # e.g. a load balancer asking /ready
-    assert reasons == ["/health answered 503"] * 100
-    second.mark_down("connection refused")  # as the relay does on a refused connection
+    _, first, second = workers
+    second.mark_refused()  # as the relay does on a refused connection
     with pytest.raises(EngineUnavailableError, match=r"\(connection refused\)"):
-        await second.require_ready()
-    assert engine.health_calls == probes
-
-
-async def test_callers_confirming_at_once_share_one_probe(workers: tuple[Engine, EngineMonitor, EngineMonitor]) -> None:
-    engine, first, second = workers
-    await _both_see_it_down(engine, first, second)
+        await first.require_ready()
+    reasons = [await second.confirmed_reason() for _ in range(100)]  # e.g. a load balancer asking /ready
+    assert reasons == ["connection refused"] * 100
     assert await first.check() is None
-    probes = engine.health_calls
-    engine.health_delay = 0.05  # all twenty arrive while the one probe runs
-    assert await asyncio.gather(*(second.confirmed_reason() for _ in range(20))) == [None] * 20
-    assert engine.health_calls == probes + 1
+    assert await second.confirmed_reason() is None
 
 
-async def test_a_confirming_probe_that_does_not_answer_in_time_refuses(
+async def test_a_worker_that_does_not_learn_the_model_in_time_refuses_then_serves(
     workers: tuple[Engine, EngineMonitor, EngineMonitor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine, first, second = workers
     monkeypatch.setattr(monitor_module, "CONFIRM_WAIT", 0.02)
-    await _both_see_it_down(engine, first, second)
+    second.mark_refused()
+    engine.models_delay = 0.15  # under the probe timeout: the model is learned after the request gave up
     assert await first.check() is None
-    engine.health_delay = 0.15  # under the probe timeout: the probe succeeds, after the request gave up
-    with pytest.raises(EngineUnavailableError, match=r"\(/health answered 503\)"):
+    with pytest.raises(EngineUnavailableError, match=r"\(model unknown\)"):
         await second.require_ready()
     await async_wait_until(lambda: second.ready_reason() is None, within=5)
+
+
+async def test_the_turn_passes_to_another_worker_when_its_holder_stops_renewing_it(
+    served: tuple[Engine, str],
+) -> None:
+    engine, url = served
+    shared = SharedEngineState()
+    async with _monitoring(url, EngineActivity(shared), 0.1) as first:
+        probes = engine.health_calls
+        async with _monitoring(url, EngineActivity(shared), 0.1) as second:
+            await asyncio.sleep(0.5)
+            assert engine.health_calls - probes <= 7, "one worker probes /health every 0.1 s, not two"
+        await first.stop()  # the holder stops: its lease (0.4 s) runs out and the other takes the turn
+        async with _monitoring(url, EngineActivity(shared), 0.1) as third:
+            engine.health_status = 503
+            await async_wait_until(lambda: third.ready_reason() == "/health answered 503", within=5)
+    assert second.ready_reason() == "/health answered 503"
 
 
 async def test_an_engine_refusing_the_gateways_key_is_not_ready_and_says_why(
@@ -252,6 +257,6 @@ async def test_an_engine_refusing_the_gateways_key_is_not_ready_and_says_why(
 ) -> None:
     engine, url = served
     engine.models_status = 401
-    async with _monitoring(url, EngineActivity(), 3600, SharedInstant()) as monitor:
+    async with _monitoring(url, EngineActivity(), 3600) as monitor:
         assert monitor.ready_reason() == "engine key refused"
     assert any("NEMOTRON_ENGINE_API_KEY" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
