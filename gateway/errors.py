@@ -16,7 +16,8 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      │   ├─ RouteNotFoundError   404  invalid_request_error   code=unknown_url
      │   └─ ResponseNotFoundError 404                     code=response_not_found
      ├─ RateLimitError           429  rate_limit_error        code=rate_limit_exceeded, + Retry-After
-     │   └─ QuotaExceededError   429  insufficient_quota      code=insufficient_quota (a spent token budget)
+     │   ├─ QuotaExceededError   429  insufficient_quota      code=insufficient_quota (a spent token budget)
+     │   └─ EngineQueueFullError 429                      code=engine_queue_full (this priority tier's bound)
      ├─ InternalError            500  internal_error
      └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
          ├─ EngineUnavailableError    503  code=engine_unavailable
@@ -24,6 +25,7 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
          │   └─ EngineConnectionLostError 503  (the connection dropped mid-exchange)
          ├─ KeyStoreUnavailableError  503  code=key_store_unavailable
          ├─ OverloadedError           503  code=too_many_connections
+         ├─ EngineBusyError           503  code=engine_busy (the engine itself is full)
          ├─ EngineProtocolError       502  code=engine_protocol_error
          └─ EngineTimeoutError        504  code=engine_timeout
 
@@ -231,12 +233,24 @@ class QuotaExceededError(RateLimitError):
     code = "insufficient_quota"
 
 
+class EngineQueueFullError(RateLimitError):
+    """The engine's queue reached the bound of this request's priority tier; retry after `Retry-After`."""
+
+    code = "engine_queue_full"
+
+
 class ServiceUnavailableError(_RetryableError):
     """A part the gateway depends on is down; retry after `Retry-After`."""
 
     status_code = 503
     type = "service_unavailable"
     code = "service_unavailable"
+
+
+class EngineBusyError(ServiceUnavailableError):
+    """The engine itself is full (its KV cache at the bound, or its own queue bound refused the request)."""
+
+    code = "engine_busy"
 
 
 class EngineUnavailableError(ServiceUnavailableError):

@@ -113,7 +113,8 @@ class GatewayMetrics:
         self.rate_limited = Counter(
             "nemotron_gateway_rate_limited",
             "Requests refused 429, by the exhausted limit (requests, tokens, concurrency, budget: a spent token "
-            "budget, failed_auth: an address blocked for guessing keys).",
+            "budget, engine_queue: a priority tier's bound on the engine's queue, failed_auth: an address blocked "
+            "for guessing keys).",
             ["limit"],
             registry=r,
         )
@@ -169,6 +170,29 @@ class GatewayMetrics:
         self.redis_errors = Counter(
             "nemotron_gateway_redis_errors",
             "Redis calls that failed (after the one retry), answered as the key store being unavailable.",
+            registry=r,
+        )
+        self.admission_refused = Counter(
+            "nemotron_gateway_admission_refused",
+            "Requests refused before vLLM's queue, by priority tier (0: most urgent; NEMOTRON_ADMISSION__SHARES) and "
+            "reason (waiting: 429, the tier's bound on waiting requests; kv_cache: 503, the KV-cache bound; "
+            "engine_queue: 503, vLLM's own --max-num-queued-reqs refused it, tier 'all').",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.engine_load = Gauge(
+            "nemotron_gateway_engine_load",
+            "The engine's load as this gateway last read it from vLLM's /metrics: waiting and running requests, "
+            "KV-cache use (0-1), requests finished per second (drain).",
+            ["figure"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.priority_sent = Counter(
+            "nemotron_gateway_priority_sent",
+            "Requests sent to the engine, by the priority tier they were admitted at and whether vLLM's `priority` "
+            "field went with them (sent: a priority-scheduling engine; dropped: FCFS).",
+            ["tier", "field"],
             registry=r,
         )
 

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from gateway.auth import KeyStore
 from gateway.exposition import Exposition
 from gateway.metrics import GatewayMetrics
-from gateway.ratelimit import FailedAuthGuard, RedisRateLimiter
+from gateway.ratelimit import EngineAdmission, FailedAuthGuard, RedisRateLimiter
 from gateway.redis_client import close_redis, connect_redis
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
@@ -38,6 +38,7 @@ class Services:
     redis: redis_asyncio.Redis
     keys: KeyStore
     limiter: RedisRateLimiter
+    admission: EngineAdmission
     guard: FailedAuthGuard
     exposition: Exposition
 
@@ -47,8 +48,9 @@ class Services:
         every worker process of it shares."""
         engine = EngineClient(settings)
         activity = EngineActivity(shared)
-        monitor = EngineMonitor(engine, settings, metrics, activity)
         redis = connect_redis(settings)
+        admission = EngineAdmission(redis, settings, metrics)
+        monitor = EngineMonitor(engine, settings, metrics, activity, load_observer=admission.observe)
         return cls(
             settings=settings,
             metrics=metrics,
@@ -58,6 +60,7 @@ class Services:
             redis=redis,
             keys=KeyStore(redis, settings, metrics),
             limiter=RedisRateLimiter(redis, settings, metrics),
+            admission=admission,
             guard=FailedAuthGuard(redis, settings, metrics),
             exposition=Exposition(settings, metrics),
         )

@@ -223,11 +223,65 @@ class RateLimitSettings(_Group):
             raise ValueError(f"unknown time zone {value!r}: use an IANA name such as UTC or Europe/Berlin") from None
         return value
 
+    default_priority: int = Field(
+        0,
+        ge=0,
+        description="Scheduling priority of keys without their own (vLLM's meaning: lower is served sooner).",
+    )
+
     @model_validator(mode="after")
     def _renew_before_expiry(self) -> RateLimitSettings:
         if self.lease_renew_interval >= self.lease_ttl:
             raise ValueError("lease_renew_interval must be below lease_ttl")
         return self
+
+
+class AdmissionSettings(_Group):
+    """Admission before vLLM's queue (`NEMOTRON_ADMISSION__<FIELD>`), held across every gateway sharing Redis.
+
+    The engine's gauges are read from vLLM's /metrics at each probe of the engine (`relay.probe_interval`).
+    A request of priority p is refused once the engine's waiting requests (its last scrape plus what gateways
+    admitted since) reach `max_waiting` x share(p), where share(p) is `shares[min(p, len(shares) - 1)]`; the
+    most urgent tier (priority 0) is admitted up to the full bound. A tier's bound is at least 1.
+    """
+
+    max_waiting: int | None = Field(
+        None,
+        ge=1,
+        description="Bound on vLLM's waiting requests beyond which new work is refused (429); unset: off.",
+    )
+    max_kv_cache_use: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Bound on vLLM's KV-cache use (0-1, times the tier's share) beyond which new work is refused "
+        "(503: the engine itself is full); unset: off.",
+    )
+    shares: tuple[float, ...] = Field(
+        (1.0, 0.5, 0.25),
+        min_length=1,
+        description="Share of the bounds each priority gets (JSON list: priority 0, 1, ...; the last for the rest).",
+    )
+    max_retry_after: float = Field(
+        30.0, ge=1, description="Longest Retry-After a refusal sends (it is derived from the observed drain rate)."
+    )
+    engine_id: str | None = Field(
+        None,
+        description="Names the engine's queue in Redis; gateways on several hosts fronting one engine set the same "
+        "(default: this host and engine_url).",
+    )
+
+    @field_validator("shares")
+    @classmethod
+    def _shares_in_range(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0 < share <= 1 for share in value):
+            raise ValueError("every share must be above 0 and at most 1")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any bound is set (else no scrape, no Redis work)."""
+        return self.max_waiting is not None or self.max_kv_cache_use is not None
 
 
 class EngineSettings(_Group):
@@ -468,6 +522,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
 
     @field_validator("redis_url")
     @classmethod

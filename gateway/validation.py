@@ -34,6 +34,8 @@ from gateway.settings import Settings
 _CHARS_PER_TOKEN = 4
 _DEFAULT_MAX_TOKENS_ESTIMATE = 256
 
+# vLLM's bound on `priority` (its request schemas: a signed 64-bit integer).
+_INT64_MAX = 2**63 - 1
 _UNION_TAGS = frozenset(("str", "int", "float", "bool", "list", "dict", "none"))
 _JSON_TYPES = {"list": "array", "str": "string", "int": "number", "float": "number", "bool": "boolean"}
 
@@ -62,12 +64,41 @@ class PreparedRequest:
     prompt_tokens_estimate: int
     max_tokens: int | None
     choices: int = 1
+    requested_priority: int | None = None  # the client's own `priority` (taken out of `body`)
 
     @property
     def tokens_estimate(self) -> int:
         """Prompt estimate plus the completion budget of every choice the engine generates (`n`, `best_of`,
         each prompt of a batch): what a token limit charges up front."""
         return self.prompt_tokens_estimate + (self.max_tokens or _DEFAULT_MAX_TOKENS_ESTIMATE) * self.choices
+
+    def engine_body(self, priority: int | None) -> bytes:
+        """The body for the engine, with vLLM's `priority` field when `priority` is not None (the body is an
+        orjson object without it, so the field goes in before its closing brace)."""
+        if priority is None:
+            return self.body
+        return b'%s,"priority":%d}' % (self.body[:-1], priority)
+
+
+def effective_priority(own: int | None, default: int, requested: int | None) -> int:
+    """The priority a request is served at: its key's (`own`, else `default`), or the client's `requested` one
+    when that is less urgent (larger); a client can never make itself more urgent than its key."""
+    granted = default if own is None else own
+    return granted if requested is None else max(granted, requested)
+
+
+def _pop_priority(data: dict[str, Any]) -> int | None:
+    """The client's `priority` (a whole number), taken out of the body: the gateway sends its own."""
+    requested = data.pop("priority", None)
+    if requested is None:
+        return None
+    if isinstance(requested, bool) or not isinstance(requested, int) or abs(requested) > _INT64_MAX:
+        raise InvalidRequestError(
+            "Invalid type for 'priority': send a whole number (larger is less urgent; your key's priority is the "
+            "most urgent it may ask for).",
+            param="priority",
+        )
+    return requested
 
 
 Prepare = Callable[[bytes, Settings, ModelInfo], PreparedRequest]
@@ -243,6 +274,7 @@ def _prepare(
     data = parse_json_object(body)
     route.bounds.check(data, settings)
     _validate(route.schema, data)
+    requested_priority = _pop_priority(data)
     model = _resolve_model(data["model"], settings, info)
     data["model"] = model
     choices = (_check_choices(data, settings) if route.stream_options else 1) * route.prompts(data)
@@ -260,6 +292,7 @@ def _prepare(
         prompt_tokens_estimate=estimate,
         max_tokens=max_tokens,
         choices=choices,
+        requested_priority=requested_priority,
     )
 
 

@@ -69,6 +69,7 @@ def add_keys_parser(
     _add_budget_flags(create)
     create.add_argument("--expires-in", type=_duration_arg, metavar="DURATION", help="e.g. 30d, 12h, 90m.")
     create.add_argument("--models", type=_models_arg, metavar="M,...", help="Models the key may use (default all).")
+    _add_priority_flag(create)
 
     listing = verbs.add_parser("list", help="List keys.")
     listing.add_argument("--json", action="store_true", help="JSON instead of a table.")
@@ -96,6 +97,7 @@ def add_keys_parser(
     update.add_argument(
         "--models", type=_models_arg, default=argparse.SUPPRESS, metavar="M,...", help="Models ('*': all)."
     )
+    _add_priority_flag(update, allow_default=True)
     enabled = update.add_mutually_exclusive_group()
     enabled.add_argument("--disable", dest="disabled", action="store_true", default=None, help="Disable the key.")
     enabled.add_argument("--enable", dest="disabled", action="store_false", help="Enable it again.")
@@ -185,6 +187,7 @@ async def _create(store: KeyStore, args: argparse.Namespace) -> None:
         ),
         expires_at=datetime.now(UTC) + expires_in if expires_in is not None else None,
         models=None if args.models in (None, [_ALL_MODELS]) else args.models,
+        priority=getattr(args, "priority", None),
     )
     _out(f"Created API key '{key.name}' ({key.prefix}...). Store the secret now; it cannot be shown again:")
     _out(secret)
@@ -194,10 +197,11 @@ async def _set(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Namesp
     changes_limits = any(hasattr(args, flag) for flag, _, _ in _LIMIT_FLAGS)
     changes_limits = changes_limits or any(hasattr(args, flag) for flag, _, _, _ in _BUDGET_FLAGS)
     models: list[str] | None = getattr(args, "models", None)
-    if not changes_limits and models is None and args.disabled is None:
+    changes_priority = hasattr(args, "priority")
+    if not changes_limits and models is None and args.disabled is None and not changes_priority:
         raise InvalidRequestError(
-            "nothing to change: give --rpm, --tpm, --max-concurrency, --daily-tokens, --monthly-tokens, --models "
-            "or --disable"
+            "nothing to change: give --rpm, --tpm, --max-concurrency, --daily-tokens, --monthly-tokens, --models, "
+            "--priority or --disable"
         )
     limits = None
     if changes_limits:
@@ -214,6 +218,8 @@ async def _set(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Namesp
     if limits is not None or models is not None:
         everything = models == [_ALL_MODELS]
         await store.set_limits(args.name, limits, None if everything else models, all_models=everything)
+    if changes_priority:
+        await store.set_priority(args.name, args.priority)
     if args.disabled is not None:
         await store.set_disabled(args.name, args.disabled)
     _out(f"Updated API key '{args.name}'; every gateway applies it within a second.")
@@ -268,6 +274,7 @@ async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, 
         ("tokens/day", f"{_limit_cell(row, 'daily_tokens')} (used {budget.day})"),
         ("tokens/month", f"{_limit_cell(row, 'monthly_tokens')} (used {budget.month})"),
         ("models", ", ".join(row["models"]) if row["models"] is not None else "all"),
+        ("priority", str(row["priority"])),
         ("requests today", str(row["usage_today"]["requests"])),
         ("tokens today", str(row["usage_today"]["tokens"])),
         ("last used", row["last_used"] or "never"),
@@ -367,6 +374,7 @@ def _describe(key: ApiKey, usage: Usage, settings: Settings) -> dict[str, Any]:
             "monthly_tokens": own.monthly_tokens,
         },
         "models": list(key.models) if key.models is not None else None,
+        "priority": settings.limits.default_priority if key.priority is None else key.priority,
         "usage_today": {"day": usage.day.isoformat(), "requests": usage.requests, "tokens": usage.tokens},
         "last_used": _when(usage.last_used) if usage.last_used else None,
     }
@@ -400,7 +408,27 @@ def _add_limit_flags(parser: argparse.ArgumentParser, *, allow_default: bool = F
         )
 
 
+def _add_priority_flag(parser: argparse.ArgumentParser, *, allow_default: bool = False) -> None:
+    extra = "; 'default': the server default; omitted: unchanged" if allow_default else "; omitted: the default"
+    parser.add_argument(
+        "--priority",
+        type=_priority_arg,
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help=f"Scheduling priority, 0 or more (lower is served sooner and refused last when the GPU is full{extra}).",
+    )
+
+
+def _priority_arg(text: str) -> int | None:
+    return _number_or_default(text, "a priority is 0 (most urgent) or more")
+
+
 def _limit_arg(text: str) -> int | None:
+    return _number_or_default(text, "limits are 0 (unlimited) or more")
+
+
+def _number_or_default(text: str, negative: str) -> int | None:
+    """A whole number of 0 or more (`negative` says why not), or None for 'default'."""
     if text.strip().lower() == "default":
         return None
     try:
@@ -408,7 +436,7 @@ def _limit_arg(text: str) -> int | None:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number or 'default', got {text!r}") from None
     if value < 0:
-        raise argparse.ArgumentTypeError("limits are 0 (unlimited) or more")
+        raise argparse.ArgumentTypeError(negative)
     return value
 
 

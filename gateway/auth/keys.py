@@ -88,6 +88,8 @@ class ApiKey:
     revoked: bool = False
     limits: KeyLimits = KeyLimits()
     models: tuple[str, ...] | None = None  # None: every model served here
+    # Scheduling priority (vLLM's meaning: lower is served sooner); None: NEMOTRON_LIMITS__DEFAULT_PRIORITY.
+    priority: int | None = None
 
     def state(self, now: datetime) -> KeyState:
         """The key's state at `now` (an aware datetime)."""
@@ -158,6 +160,13 @@ def validate_models(models: tuple[str, ...] | None) -> tuple[str, ...] | None:
     if not cleaned:
         raise InvalidRequestError("The list of models must name at least one model.", param="models")
     return cleaned
+
+
+def validate_priority(priority: int | None) -> int | None:
+    """`priority` if a key may have it (None: the server default, else a whole number of 0 or more)."""
+    if priority is not None and priority < 0:
+        raise InvalidRequestError("priority must be 0 (most urgent) or more", param="priority")
+    return priority
 
 
 def check_model(key: ApiKey, model: str) -> None:

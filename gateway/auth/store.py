@@ -34,6 +34,7 @@ from gateway.auth.keys import (
     looks_like_secret,
     validate_models,
     validate_name,
+    validate_priority,
 )
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
@@ -147,6 +148,7 @@ class KeyStore:
         limits: KeyLimits | None = None,
         expires_at: datetime | None = None,
         models: Sequence[str] | None = None,
+        priority: int | None = None,
     ) -> tuple[ApiKey, str]:
         """A new key and its secret (shown once; only its digest is stored). KeyExistsError if the name is taken."""
         validate_name(name)
@@ -161,6 +163,7 @@ class KeyStore:
             expires_at=expires_at,
             limits=limits or KeyLimits(),
             models=validate_models(tuple(models) if models is not None else None),
+            priority=validate_priority(priority),
         )
         fields = _key_to_fields(key, digest)
         created = await self._calls(
@@ -234,6 +237,10 @@ class KeyStore:
         elif models is not None:
             fields += ["models", orjson.dumps(validate_models(tuple(models))).decode()]
         return await self._apply(name, fields, "set")
+
+    async def set_priority(self, name: str, priority: int | None) -> ApiKey:
+        """Change the key's scheduling priority (None: the server default)."""
+        return await self._apply(name, ["priority", _optional_int(validate_priority(priority))])
 
     async def set_disabled(self, name: str, disabled: bool) -> ApiKey:
         """Disable (or enable again) a key without revoking it."""
@@ -363,6 +370,8 @@ def _key_to_fields(key: ApiKey, digest: str) -> list[str]:
         *_limit_fields(key.limits),
         "models",
         "" if key.models is None else orjson.dumps(key.models).decode(),
+        "priority",
+        _optional_int(key.priority),
     ]
 
 
@@ -392,6 +401,7 @@ def _fields_to_key(raw: Mapping[bytes | str, bytes | str]) -> tuple[ApiKey, str]
             monthly_tokens=_parse_optional_int(fields.get("monthly_tokens")),
         ),
         models=tuple(models) if models is not None else None,
+        priority=_parse_optional_int(fields.get("priority")),
     )
     return key, fields.get("digest", "")
 

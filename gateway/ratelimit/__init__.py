@@ -1,6 +1,7 @@
 """Per-key requests/min, tokens/min, concurrency and token budgets, held across processes in Redis; the failed-auth
-guard."""
+guard; admission before the engine's queue."""
 
+from gateway.ratelimit.admission import EngineAdmission
 from gateway.ratelimit.guard import FailedAuthGuard
 from gateway.ratelimit.limiter import (
     BudgetWindows,
@@ -18,6 +19,7 @@ __all__ = [
     "BudgetUsage",
     "BudgetWindows",
     "EffectiveLimits",
+    "EngineAdmission",
     "FailedAuthGuard",
     "Lease",
     "LimitedKey",

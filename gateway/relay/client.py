@@ -259,6 +259,19 @@ class EngineClient:
         except orjson.JSONDecodeError:
             raise EngineProtocolError(f"The model engine answered {path} with invalid JSON.") from None
 
+    async def metrics_text(self, within: float) -> str:
+        """The engine's /metrics (Prometheus text); errors mapped by `engine_errors`, a non-200 as unavailable."""
+        session = self._started()
+        with engine_errors(f"/metrics did not answer within {within:g} s.", self._retry_after):
+            async with asyncio.timeout(within):
+                async with session.get(self._base_url + "/metrics", headers=self._auth_header) as response:
+                    if response.status != 200:
+                        raise EngineUnavailableError(
+                            f"The model engine answered /metrics with HTTP {response.status}.",
+                            retry_after=self._retry_after,
+                        )
+                    return await response.text()
+
     async def health(self, within: float) -> int:
         """The status of one GET /health; errors mapped by `engine_errors`."""
         session = self._started()

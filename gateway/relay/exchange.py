@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import orjson
 
 from gateway.errors import (
+    EngineBusyError,
     EngineConnectionLostError,
     EngineCredentialsError,
     EngineProtocolError,
@@ -43,6 +44,9 @@ from gateway.settings import Settings
 from gateway.types import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
+
+# vLLM answers 503 for a request its own queue bounds refuse (vllm/exceptions.py, QueueOverflowError, 0.32).
+ENGINE_BUSY = 503
 
 # Settles a key's token charge: the tokens the engine reported, 0 to refund, None to keep the estimate.
 Settle = Callable[[int | None], Awaitable[None]]
@@ -157,6 +161,11 @@ class EngineRelay:
             await self._finish(record, settle)
             if upstream.status in ENGINE_KEY_REFUSED:  # the gateway's own key, not the client's: never a 401
                 raise EngineCredentialsError(ENGINE_KEY_MESSAGE, retry_after=self._settings.relay.retry_after)
+            if upstream.status == ENGINE_BUSY:  # vLLM's own queue bound (--max-num-queued-reqs): our envelope
+                self._metrics.admission_refused.labels("all", "engine_queue").inc()
+                raise EngineBusyError(
+                    "The model engine's queue is full; retry shortly.", retry_after=self._settings.relay.retry_after
+                )
             error_body = engine_error_body(upstream.status, answer or b"")
             return BufferedAnswer(upstream.status, error_body, "application/json", headers)
         if answer is not None:

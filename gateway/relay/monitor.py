@@ -21,8 +21,13 @@ is served by any of them.
 
 Progress (chunks, answers) is what the relay records in `EngineActivity`; the generation probe runs
 only when the whole gateway has seen the engine quiet for `probe_interval`.
-Imports settings, errors, metrics, the background-task helper and the relay's client, activity, model
-and shared modules.
+
+Each worker also reads, whenever it learns the model and on every tick, the scheduling policy the supervisor
+launched the engine with (`engine.json`: `priority` is sent only to a "priority" engine); the worker holding
+the probe turn hands the engine's /metrics to the load observer (admission) on each tick, so one scrape per
+interval serves the whole gateway.
+Imports settings, errors, metrics, the background-task helper, the supervisor's status record (a leaf) and
+the relay's client, activity, model and shared modules.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 from gateway.background import BackgroundTask
 from gateway.errors import EngineCredentialsError, EngineRefusedError, EngineUnavailableError, GatewayError
@@ -48,6 +54,7 @@ from gateway.relay.shared import (
     SharedEngineState,
 )
 from gateway.settings import Settings
+from gateway.supervisor.state import PRIORITY, STATUS_FILE, launched_policy
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +63,19 @@ MODEL_UNKNOWN = "model unknown"
 CONFIRM_WAIT = 0.5  # seconds a request waits for this worker to learn the model the prober found
 _FIRST_VERDICT_POLL = 0.05  # seconds between two looks at the shared record while a starting worker waits
 
+LoadObserver = Callable[[Callable[[], Awaitable[str]]], Awaitable[None]]
+
 
 class EngineMonitor:
     """Takes its turn probing the engine, judges whether it generates, and remembers what it serves."""
 
     def __init__(
-        self, client: EngineClient, settings: Settings, metrics: GatewayMetrics, activity: EngineActivity
+        self,
+        client: EngineClient,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        activity: EngineActivity,
+        load_observer: LoadObserver | None = None,
     ) -> None:
         self._client = client
         self._settings = settings
@@ -82,7 +96,12 @@ class EngineMonitor:
         self._catching_up: asyncio.Future[None] | None = None
         self.model: ModelInfo | None = None
         self._model_epoch = -1  # the engine's epoch `model` was learned in
-        self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self.check)
+        # Whether the engine schedules by priority (its launcher's word; False when unknown: vLLM under FCFS
+        # may refuse a non-zero `priority`).
+        self.priority_scheduling = False
+        self._status_file = settings.engine.state_dir / STATUS_FILE
+        self._load_observer = load_observer
+        self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self._tick)
 
     async def start(self) -> None:
         """Take the probe turn and probe once now when no other worker holds it, or wait (a bounded time) for the
@@ -94,7 +113,26 @@ class EngineMonitor:
             await asyncio.sleep(_FIRST_VERDICT_POLL)
             await self.check()  # takes the turn over should its holder have stopped
         await self.confirmed_reason()
+        await self._tick()
         self._task.start()
+
+    async def _tick(self) -> None:
+        """The interval's work: check; once ready, the policy again (a restart quicker than a probe is never seen
+        down) and, for the probe turn's holder, the engine's load."""
+        if await self.check() is not None:
+            return
+        await self._learn_policy()
+        if self._load_observer is not None and self._shared.holds_probe_turn(self._token):
+            await self._load_observer(self._scrape)
+
+    async def _scrape(self) -> str:
+        return await self._client.metrics_text(self._relay.probe_timeout)
+
+    async def _learn_policy(self) -> None:
+        policy = await asyncio.to_thread(launched_policy, self._status_file)
+        if (policy == PRIORITY) != self.priority_scheduling:
+            logger.info("engine scheduling policy: %s", policy)
+            self.priority_scheduling = policy == PRIORITY
 
     async def stop(self) -> None:
         """Stop probing."""
@@ -203,6 +241,7 @@ class EngineMonitor:
             logger.warning("engine model list unavailable: %s", exc.message)
             return MODELS_UNAVAILABLE
         logger.info("engine serves %r (context length %s)", self.model.name, self.model.context_length)
+        await self._learn_policy()
         return HEALTHY
 
     async def _catch_up(self) -> None:

@@ -17,12 +17,13 @@ from fastapi import APIRouter, Request, Response
 
 from gateway.auth import ApiKey
 from gateway.deps import get_record, get_services, require_api_key
-from gateway.errors import RequestTooLargeError
+from gateway.errors import GatewayError, RequestTooLargeError
 from gateway.ratelimit import Lease, RateLimiter, TokenDetail
 from gateway.relay.shapes import WireShape
 from gateway.requestlog import RequestRecord
+from gateway.services import Services
 from gateway.types import ASGIApp
-from gateway.validation import Prepare, PreparedRequest
+from gateway.validation import Prepare, PreparedRequest, effective_priority
 
 router = APIRouter()
 
@@ -79,9 +80,10 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         # Usage by API is kept under the route's API label (chat, responses, ...), so every relayed route counts.
         lease = await services.limiter.acquire(key, prepared.tokens_estimate, record.api or api.path)
     settle = _settle(services.limiter, lease, record, after) if lease is not None or after is not None else None
+    engine_body = await _admit(services, key, prepared, settle)
     return await services.relay.forward(
         api.path,
-        prepared.body,
+        engine_body,
         record,
         request.receive,
         stream=prepared.stream,
@@ -91,6 +93,30 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         shape=api.shape,
         engine_headers={name: value for name in api.passed_headers if (value := request.headers.get(name))},
     )
+
+
+async def _admit(
+    services: Services,
+    key: ApiKey | None,
+    prepared: PreparedRequest,
+    settle: Callable[[int | None], Awaitable[None]] | None,
+) -> bytes:
+    """Admit the request at its priority against the engine's queue (settled uncharged when refused); the body for
+    the engine, with vLLM's `priority` only for an engine that schedules by it."""
+    priority = effective_priority(
+        key.priority if key is not None else None,
+        services.settings.limits.default_priority,
+        prepared.requested_priority,
+    )
+    try:
+        await services.admission.admit(priority)
+    except GatewayError:
+        if settle is not None:
+            await settle(0)
+        raise
+    scheduling = services.monitor.priority_scheduling
+    services.admission.count_sent(priority, sent=scheduling)
+    return prepared.engine_body(priority if scheduling else None)
 
 
 def _settle(

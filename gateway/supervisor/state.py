@@ -17,6 +17,10 @@ from typing import Any
 STATUS_FILE = "engine.json"
 # The settings a supervisor runs with, as an env file in its state dir (a hand-run `doctor` reads it).
 RUNNING_ENV = "run.env"
+# vLLM's --scheduling-policy values (vllm/config/scheduler.py, SchedulerPolicy) and its default.
+FCFS = "fcfs"
+PRIORITY = "priority"
+_POLICY_FLAG = "--scheduling-policy"
 # Restarts kept in the status file: enough to tell a crash loop from one hang, short enough to read.
 HISTORY_LENGTH = 5
 
@@ -82,6 +86,8 @@ class EngineStatus:
     since: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)
     history: list[RestartRecord] = field(default_factory=list)
+    # The --scheduling-policy of the argv launched: the gateway sends `priority` only to a "priority" engine.
+    scheduling_policy: str = FCFS
 
     def record_restart(self, record: RestartRecord) -> None:
         """Remember why a life ended (the last `HISTORY_LENGTH` only)."""
@@ -107,6 +113,24 @@ class EngineStatus:
         with os.fdopen(fd, "w") as handle:
             json.dump(self.to_json(), handle)
         os.replace(tmp, path)
+
+
+def scheduling_policy(argv: list[str]) -> str:
+    """The --scheduling-policy an engine argv sets (its last one wins, as with argparse), else vLLM's "fcfs"."""
+    policy = FCFS
+    for index, arg in enumerate(argv):
+        if arg == _POLICY_FLAG and index + 1 < len(argv):
+            policy = argv[index + 1]
+        elif arg.startswith(_POLICY_FLAG + "="):
+            policy = arg.split("=", 1)[1]
+    return policy
+
+
+def launched_policy(path: Path) -> str:
+    """The scheduling policy of the engine the supervisor whose status file is `path` launched; "fcfs" (never send
+    `priority`) when there is no such file: an engine the gateway cannot see launched may refuse it."""
+    status = read_status(path)
+    return status.scheduling_policy if status is not None else FCFS
 
 
 def read_status(path: Path) -> EngineStatus | None:

@@ -28,7 +28,14 @@ from gateway.settings import EngineSettings
 from gateway.supervisor.launch import ENGINE_KEY_VARIABLE
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
 from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.state import STATUS_FILE, EngineState, EngineStatus, RestartCause, RestartRecord
+from gateway.supervisor.state import (
+    STATUS_FILE,
+    EngineState,
+    EngineStatus,
+    RestartCause,
+    RestartRecord,
+    scheduling_policy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,7 @@ class EngineSupervisor:
         self.argv = argv
         self.env = dict(env)
         self.status = status
+        self.status.scheduling_policy = scheduling_policy(argv)
         self.metrics = metrics
         self._echo = on_line or _echo
         self.should_exit = asyncio.Event()

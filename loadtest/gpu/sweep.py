@@ -1,10 +1,14 @@
-"""Direct-to-vLLM and through-the-gateway load points, interleaved, with each side's CPU time from /proc.
+"""Direct-to-vLLM and through-the-gateway load points, interleaved, each driven by vLLM's own `vllm bench serve`.
 
 Run where the stack runs (the GPU machine): for every round and concurrency, one point against each
 target in alternating order (ABBA), every point with its own seed so no point meets prompts that an
-earlier one left in vLLM's prefix cache. CPU seconds per 1,000 output tokens are read for the gateway's
-processes and vLLM's API-server processes (descendants of `--root-pid`, told apart by command line).
-Writes sweep.json and sweep.md into `--out`. Speaks HTTP only; imports nothing from `gateway`.
+earlier one left in vLLM's prefix cache; random prompts of a fixed length, `ignore_eos`, streamed chat
+(loadtest/gpu/bench.py). Then, optionally, the highest concurrency split over two client processes per target
+(the same total tokens/s says one client was not the bottleneck; each client's own CPU is recorded too) and a
+Responses API point per target (a route that is not served is recorded, not run). CPU seconds per 1,000 output
+tokens are read for the gateway's processes and vLLM's API-server processes (descendants of `--root-pid`, told
+apart by command line). Writes sweep.json and sweep.md into `--out` after every point. Speaks HTTP only; imports
+nothing from `gateway`.
 """
 
 from __future__ import annotations
@@ -13,20 +17,26 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtest.gpu import bench
 from loadtest.processes import cpu_seconds
 
 _ROLES = ("gateway", "vllm-api", "engine-core")
 # Issue 11's goals on the GPU: through the gateway at least this share of direct output tokens/s at every
 # concurrency, with no errors, and at most this much added TTFT p50 at concurrency 1.
-GOAL_TOKENS_SHARE = 0.98
+GOAL_TOKENS_SHARE = 0.99
 GOAL_ADDED_TTFT_C1_MS = 1.0
+# Two client processes splitting a point's streams give the same total tokens/s as one, within this share, when
+# one client was not what bounded it.
+CLIENT_CHECK_TOLERANCE = 0.05
 
 
 def children_by_parent() -> dict[int, list[int]]:
@@ -90,60 +100,119 @@ def cpu_by_role(processes: dict[int, str]) -> dict[str, float]:
     return totals
 
 
-def run_point(target: str, url: str, args: argparse.Namespace, concurrency: int, seed: int) -> dict[str, Any]:
-    """One load point through the load tool; its summary plus the CPU each role spent during it."""
-    out = args.work / f"{target}-c{concurrency}-s{seed}"
-    requests = max(args.min_requests, 2 * concurrency)
-    argv = [
-        sys.executable, "-m", "loadtest", "run", "--base-url", url, "--concurrency", str(concurrency),
-        "--requests", str(requests), "--warmup", str(min(concurrency, 16)), "--max-tokens", str(args.max_tokens),
-        "--ignore-eos", "--prompt-tokens-mean", str(args.prompt_tokens), "--seed", str(seed), "--quiet",
-        "--out", str(out), "--timeout", "600",
-    ]  # fmt: skip
-    if target == "gateway":
-        argv += ["--api-key", args.api_key]
+def run_point(
+    args: argparse.Namespace,
+    target: str,
+    concurrency: int,
+    seed: int,
+    *,
+    clients: int = 1,
+    api: str = "chat",
+    timeout_s: float = 240.0,
+) -> dict[str, Any]:
+    """One load point driven by `vllm bench serve` (split over `clients` processes, each its share of the streams
+    and prompts, seeds apart); vLLM's figures, the client processes' CPU, and the CPU each role spent during it."""
+    prompts = max(args.min_requests, args.prompts_per_stream * concurrency)
+    url = args.direct if target == "direct" else args.gateway
+    loads = [
+        bench.Load(
+            base_url=url,
+            tokenizer=args.tokenizer,
+            concurrency=concurrency // clients,
+            prompts=prompts // clients,
+            input_len=args.input_len,
+            output_len=args.max_tokens,
+            seed=seed * 10 + i,
+            api=api,
+            warmups=min(concurrency // clients, 16),
+        )
+        for i in range(clients)
+    ]
     processes = stack_processes(args.root_pid)
     before = cpu_by_role(processes)
     started = time.monotonic()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    name = f"{api}-{target}-c{concurrency}-x{clients}-s{seed}"
+    key = args.api_key if target == "gateway" else None
+    running = [bench.start(load, args.work, f"{name}-{i}", key) for i, load in enumerate(loads)]
+    results = bench.finish(running, timeout_s)
     wall = time.monotonic() - started
     after = cpu_by_role(processes)
-    point = json.loads((out / "results.json").read_text())["points"][0]
-    summary = point["summary"]
-    tokens = max(summary["output_tokens"], 1)
+    tokens = sum(r.get("output_tokens") or 0 for r in results)
+    errors: Counter[str] = Counter()
+    for r in results:
+        errors.update(r.get("errors") or {})
+        if r.get("completed") is None:
+            errors[f"bench exited {r['returncode']}{' (time box)' if r['timed_out'] else ''}"] += 1
+    first = results[0]
     return {
         "target": target,
+        "api": api,
+        "clients": clients,
         "concurrency": concurrency,
         "seed": seed,
-        "requests": summary["requests"],
-        "ok": summary["ok"],
-        "errors": summary["errors"],
-        "first_errors": summary["first_errors"],
-        "output_tokens_per_s": summary["output_tokens_per_s"],
-        "ttft_p50_ms": summary["ttft_ms"]["p50"],
-        "ttft_p99_ms": summary["ttft_ms"]["p99"],
-        "itl_p50_ms": summary["itl_mean_ms"]["p50"],
-        "itl_p99_ms": summary["itl_p99_ms"]["p99"],
+        "requests": prompts // clients * clients,
+        "ok": sum(r.get("completed") or 0 for r in results),
+        "errors": dict(errors),
+        # Two clients run side by side: their tokens over the longer one's duration.
+        "output_tokens_per_s": tokens / max((r.get("duration_s") or 0.0 for r in results), default=0.0)
+        if tokens
+        else 0.0,
+        "ttft_p50_ms": first.get("ttft_p50_ms") or float("nan"),
+        "ttft_p99_ms": first.get("ttft_p99_ms") or float("nan"),
+        "itl_p50_ms": first.get("itl_p50_ms") or float("nan"),
+        "itl_p99_ms": first.get("itl_p99_ms") or float("nan"),
         "wall_s": round(wall, 2),
-        "cpu_s_per_1k_tokens": {role: round((after[role] - before[role]) * 1000 / tokens, 4) for role in _ROLES},
+        "client_cpu": [r["client"] for r in results],
+        "prompts_realigned": any(r.get("prompts_realigned") for r in results),
+        "cpu_s_per_1k_tokens": {
+            role: round((after[role] - before[role]) * 1000 / max(tokens, 1), 4) for role in _ROLES
+        },
         "processes": {str(pid): role for pid, role in processes.items()},
+        **({"log_tail": first["log_tail"]} if "log_tail" in first else {}),
     }
+
+
+def responses_status(base_url: str, api_key: str | None, model: str) -> int:
+    """The HTTP status of one small non-streamed Responses request (404: the route is not served)."""
+    body = json.dumps({"model": model, "input": "Hi", "max_output_tokens": 2, "store": False}).encode()
+    request = urllib.request.Request(f"{base_url}/v1/responses", data=body, method="POST")
+    request.add_header("Content-Type", "application/json")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
+        return int(refused.code)
+    except OSError:
+        return 0
+
+
+def _target(point: dict[str, Any]) -> str:
+    extra = [point.get("api", "chat")] if point.get("api", "chat") != "chat" else []
+    extra += [f"{point['clients']} clients"] if point.get("clients", 1) > 1 else []
+    return str(point["target"]) + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _client_share(point: dict[str, Any]) -> str:
+    shares = [c.get("run_cpu_share") for c in point.get("client_cpu") or ()]
+    return " + ".join("-" if share is None else f"{share:.2f}" for share in shares) if shares else "-"
 
 
 def markdown(points: list[dict[str, Any]]) -> str:
     """The sweep as a Markdown table, one row per point in the order run."""
     lines = [
         "| target | c | ok/requests | errors | output tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | "
-        "CPU s/1k tok gateway | vLLM API | engine core |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "CPU s/1k tok gateway | vLLM API | engine core | client CPU while running (cores) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in points:
         cpu = p["cpu_s_per_1k_tokens"]
         lines.append(
-            f"| {p['target']} | {p['concurrency']} | {p['ok']}/{p['requests']} | {sum(p['errors'].values())} | "
+            f"| {_target(p)} | {p['concurrency']} | {p['ok']}/{p['requests']} | {sum(p['errors'].values())} | "
             f"{p['output_tokens_per_s']:,.0f} | {p['ttft_p50_ms']:.1f} / {p['ttft_p99_ms']:.1f} | "
             f"{p['itl_p50_ms']:.2f} / {p['itl_p99_ms']:.2f} | {cpu['gateway']:.3f} | {cpu['vllm-api']:.3f} | "
-            f"{cpu['engine-core']:.3f} |"
+            f"{cpu['engine-core']:.3f} | {_client_share(p)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -152,9 +221,14 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _chat(points: list[dict[str, Any]], clients: int = 1) -> list[dict[str, Any]]:
+    return [p for p in points if p.get("api", "chat") == "chat" and p.get("clients", 1) == clients]
+
+
 def goals(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per concurrency, medians over rounds: gateway tokens/s as a share of direct, added TTFT and ITL p50
-    (gateway minus direct, paired by round), errors; each against issue 11's goals."""
+    """Per concurrency, medians over rounds of the one-client chat points: gateway tokens/s as a share of direct,
+    added TTFT and ITL p50 (gateway minus direct, paired by round), errors; each against the goals."""
+    points = _chat(points)
     rows = []
     for concurrency in sorted({p["concurrency"] for p in points}):
         at = [p for p in points if p["concurrency"] == concurrency]
@@ -179,8 +253,36 @@ def goals(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "added_ttft_p50_ms": added_ttft,
                 "direct_itl_p50_ms": _median([d["itl_p50_ms"] for d in direct]),
                 "gateway_itl_p50_ms": _median([g["itl_p50_ms"] for g in gateway]),
+                "gateway_cpu_s_per_1k_tokens": _median([g["cpu_s_per_1k_tokens"]["gateway"] for g in gateway]),
+                "vllm_api_cpu_s_per_1k_tokens": _median([d["cpu_s_per_1k_tokens"]["vllm-api"] for d in direct]),
                 "errors": errors,
                 "meets_goals": ok,
+            }
+        )
+    return rows
+
+
+def client_check(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per target, the split run (two client processes, half the streams each) against the one-client points at
+    the same concurrency: the same total tokens/s (within CLIENT_CHECK_TOLERANCE) says one client was not the
+    bottleneck."""
+    rows = []
+    for split in _chat(points, clients=2):
+        single = [
+            p["output_tokens_per_s"]
+            for p in _chat(points)
+            if p["target"] == split["target"] and p["concurrency"] == split["concurrency"]
+        ]
+        one = _median(single)
+        ratio = split["output_tokens_per_s"] / one if one else float("nan")
+        rows.append(
+            {
+                "target": split["target"],
+                "concurrency": split["concurrency"],
+                "one_client_tokens_per_s": one,
+                "two_clients_tokens_per_s": split["output_tokens_per_s"],
+                "ratio": ratio,
+                "client_bound": not (abs(ratio - 1) <= CLIENT_CHECK_TOLERANCE),
             }
         )
     return rows
@@ -190,55 +292,115 @@ def goals_markdown(rows: list[dict[str, Any]]) -> str:
     """The goals table: one row per concurrency."""
     lines = [
         f"| c | output tok/s direct / gateway | gateway share (goal ≥ {GOAL_TOKENS_SHARE:.0%}) | TTFT p50 direct ms | "
-        f"added TTFT p50 ms (c=1 goal ≤ {GOAL_ADDED_TTFT_C1_MS:g}) | ITL p50 direct / gateway ms | errors | goals |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"added TTFT p50 ms (c=1 goal ≤ {GOAL_ADDED_TTFT_C1_MS:g}) | ITL p50 direct / gateway ms | "
+        "CPU s/1k tok gateway / vLLM API | errors | goals |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['concurrency']} | {r['direct_tokens_per_s']:,.0f} / {r['gateway_tokens_per_s']:,.0f} | "
             f"{r['gateway_share']:.1%} | {r['direct_ttft_p50_ms']:.1f} | {r['added_ttft_p50_ms']:+.2f} | "
-            f"{r['direct_itl_p50_ms']:.2f} / {r['gateway_itl_p50_ms']:.2f} | {r['errors']} | "
+            f"{r['direct_itl_p50_ms']:.2f} / {r['gateway_itl_p50_ms']:.2f} | "
+            f"{r['gateway_cpu_s_per_1k_tokens']:.3f} / {r['vllm_api_cpu_s_per_1k_tokens']:.3f} | {r['errors']} | "
             f"{'met' if r['meets_goals'] else 'MISSED'} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def client_check_markdown(rows: list[dict[str, Any]]) -> str:
+    """The client check: one row per target split over two client processes."""
+    lines = [
+        "| target | c | tok/s one client | tok/s two clients | two / one | client the bottleneck |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['target']} | {r['concurrency']} | {r['one_client_tokens_per_s']:,.0f} | "
+            f"{r['two_clients_tokens_per_s']:,.0f} | {r['ratio']:.3f} | {'YES' if r['client_bound'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, label: str, points: list[dict[str, Any]], notes: list[str]) -> None:
+    """sweep.json and sweep.md from the points so far (called after every point: a time box keeps them)."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary, clients = goals(points), client_check(points)
+    (out / "sweep.json").write_text(
+        json.dumps(
+            {"label": label, "goals": summary, "client_check": clients, "notes": notes, "points": points}, indent=1
+        )
+    )
+    parts = [label, goals_markdown(summary)] if label else [goals_markdown(summary)]
+    if clients:
+        parts.append(client_check_markdown(clients))
+    parts += [f"- {note}" for note in notes] + [markdown(points)]
+    (out / "sweep.md").write_text("\n\n".join(part.rstrip("\n") for part in parts) + "\n")
+
+
+def plan(concurrency: list[int], rounds: int) -> list[tuple[str, int]]:
+    """(target, concurrency) in the order run: per round every level, direct and gateway in alternating order."""
+    order: list[tuple[str, int]] = []
+    for round_index in range(rounds):
+        for level in concurrency:
+            pair = ["direct", "gateway"] if (round_index + len(order) // 2) % 2 == 0 else ["gateway", "direct"]
+            order += [(target, level) for target in pair]
+    return order
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: `python -m loadtest.gpu.sweep --direct URL --gateway URL --api-key KEY --root-pid PID`."""
+    """Entry point: `python -m loadtest.gpu.sweep --direct URL --gateway URL --api-key KEY --root-pid PID ...`."""
     parser = argparse.ArgumentParser(prog="loadtest.gpu.sweep", description=__doc__)
-    parser.add_argument("--direct", required=True, help="vLLM's own base URL, e.g. http://127.0.0.1:8001/v1")
-    parser.add_argument("--gateway", required=True, help="the gateway's base URL")
+    parser.add_argument("--direct", required=True, help="vLLM's own base URL, e.g. http://127.0.0.1:8001")
+    parser.add_argument("--gateway", required=True, help="the gateway's base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--api-key", required=True, help="a gateway key without limits")
     parser.add_argument("--root-pid", type=int, required=True, help="pid of `nemotron-gateway up`")
+    parser.add_argument("--tokenizer", required=True, help="the model dir (its tokenizer makes the prompts)")
     parser.add_argument("--concurrency", default="1,16,64,256")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prompt-tokens", type=int, default=384)
-    parser.add_argument("--min-requests", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=200)
+    parser.add_argument("--prompts-per-stream", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--split", action="store_true", help="at the highest concurrency, two clients per target")
+    parser.add_argument("--responses-concurrency", type=int, default=0, help="a Responses API point (0: none)")
+    parser.add_argument("--point-timeout", type=float, default=240.0, help="seconds one point may take")
+    parser.add_argument("--deadline", type=float, default=0.0, help="seconds for the whole sweep (0: none)")
     parser.add_argument("--out", type=Path, required=True, help="where sweep.json and sweep.md go")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu-points"), help="each point's own results")
     parser.add_argument("--label", default="", help="what this run's stack is (API servers, gateway workers)")
     args = parser.parse_args(argv)
-    targets = {"direct": args.direct, "gateway": args.gateway}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    steps: list[tuple[str, int, int, str]] = [(t, c, 1, "chat") for t, c in plan(levels, args.rounds)]
+    if args.split:
+        steps += [(t, max(levels), 2, "chat") for t in ("direct", "gateway")]
+    if args.responses_concurrency:
+        steps += [(t, args.responses_concurrency, 1, "responses") for t in ("direct", "gateway")]
     points: list[dict[str, Any]] = []
-    seed = args.seed
-    for round_index in range(args.rounds):
-        for concurrency in (int(c) for c in args.concurrency.split(",")):
-            order = ["direct", "gateway"] if (round_index + len(points) // 2) % 2 == 0 else ["gateway", "direct"]
-            for target in order:
-                seed += 1
-                point = run_point(target, targets[target], args, concurrency, seed)
-                points.append(point)
-                sys.stdout.write(markdown([point]).splitlines()[-1] + "\n")
-                sys.stdout.flush()
-    args.out.mkdir(parents=True, exist_ok=True)
-    summary = goals(points)
-    (args.out / "sweep.json").write_text(
-        json.dumps({"label": args.label, "goals": summary, "points": points}, indent=1)
-    )
-    heading = f"{args.label}\n\n" if args.label else ""
-    (args.out / "sweep.md").write_text(heading + goals_markdown(summary) + "\n" + markdown(points))
+    notes: list[str] = []
+    started = time.monotonic()
+    for seed, (target, concurrency, clients, api) in enumerate(steps, start=args.seed + 1):
+        if args.deadline and time.monotonic() - started > args.deadline:
+            notes.append(f"time box: {target} c={concurrency} x{clients} {api} and later points not run")
+            break
+        if api == "responses":
+            status = responses_status(
+                args.direct if target == "direct" else args.gateway,
+                args.api_key if target == "gateway" else None,
+                "nemotron",
+            )
+            if status != 200:
+                notes.append(f"Responses API {target}: POST /v1/responses answered {status}; point not run")
+                write(args.out, args.label, points, notes)
+                continue
+        left = args.deadline - (time.monotonic() - started) if args.deadline else args.point_timeout
+        timeout = max(min(args.point_timeout, left), 10.0)
+        point = run_point(args, target, concurrency, seed, clients=clients, api=api, timeout_s=timeout)
+        points.append(point)
+        sys.stdout.write(markdown([point]).splitlines()[-1] + "\n")
+        sys.stdout.flush()
+        write(args.out, args.label, points, notes)
+    write(args.out, args.label, points, notes)
     return 0
 
 

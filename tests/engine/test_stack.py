@@ -157,6 +157,33 @@ def test_the_engine_port_wants_the_engine_key_that_gateway_and_supervisor_send(s
     assert ENGINE_KEY not in log
 
 
+def test_an_fcfs_engine_gets_no_priority_from_the_gateway(stack: Stack) -> None:
+    # This engine runs vLLM's default FCFS policy; the supervisor says so in its status file.
+    assert stack.status()["scheduling_policy"] == "fcfs"
+    name = f"engine-fcfs-{uuid.uuid4().hex[:8]}"
+    created = gateway_cli(stack.env, "keys", "create", "--name", name, "--priority", "5")
+    assert created.returncode == 0, created.stderr
+    try:
+        headers = {"Authorization": f"Bearer {created.stdout.strip().splitlines()[-1]}"}
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "priority": 7}
+        response = httpx.post(f"{stack.gateway}/v1/completions", json=body, headers=headers, timeout=120)
+        assert response.status_code == 200, response.text
+        metrics = httpx.get(f"{stack.gateway}/metrics", timeout=10).text
+        assert re.search(r'^nemotron_gateway_priority_sent_total\{field="dropped",tier="2"\} [1-9]', metrics, re.M)
+        # Sent directly, the installed vLLM (0.32) takes a non-zero priority under FCFS and ignores it; vLLM's
+        # older engine refused it ("Got priority 5 but Priority scheduling is not enabled."), which is why the
+        # gateway never sends one to an FCFS engine.
+        direct = httpx.post(
+            f"{stack.engine}/v1/completions",
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "priority": 5},
+            headers={"Authorization": f"Bearer {ENGINE_KEY}"},
+            timeout=120,
+        )
+        assert direct.status_code == 200, direct.text
+    finally:
+        gateway_cli(stack.env, "keys", "revoke", name)
+
+
 def test_the_gateway_answers_what_vllm_would_get_wrong(stack: Stack) -> None:
     with stack.sdk() as sdk:
         with pytest.raises(openai.BadRequestError) as role:

@@ -109,6 +109,7 @@ class Stats:
     health_checks: int = 0
     generation_probes: int = 0  # a gateway's one-token liveness probes (not in the request log)
     metrics_scrapes: int = 0
+    peak_waiting: int = 0  # most client requests ever waiting for a slot at once (with --max-num-seqs)
 
 
 @dataclass
@@ -390,9 +391,21 @@ class FakeEngine:
         model: str = DEFAULT_MODEL,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         api_key: str | None = None,
+        scheduling_policy: str = "fcfs",
+        max_num_seqs: int | None = None,
         responses_store: bool = False,
     ) -> None:
         self.model = model
+        # As vLLM 0.26 under FCFS: a non-zero `priority` is refused (400), under "priority" it is taken.
+        self.scheduling_policy = scheduling_policy
+        # What /metrics reports as waiting requests and KV-cache use when a test sets them (/_test/load).
+        self.reported_waiting: float | None = None
+        self.reported_kv_cache: float | None = None
+        # As vLLM's --max-num-seqs: requests beyond it wait (and /metrics says so) until a running one ends.
+        self.max_num_seqs = max_num_seqs
+        self._slots: asyncio.Semaphore | None = None
+        self.waiting = 0
+        self._waiting_clients = 0
         # As vLLM with VLLM_API_KEY: its /v1 routes want `Authorization: Bearer <key>`, the others do not.
         self.authorization = f"Bearer {api_key}".encode() if api_key else None
         self.max_model_len = max_model_len
@@ -508,11 +521,17 @@ class FakeEngine:
         if await exchange.pause(self.health.delay):
             return
         labels = f'{{engine="0",model_name="{self.model}"}}'
+        waiting = float(self.waiting) if self.reported_waiting is None else self.reported_waiting
+        kv_cache = self.reported_kv_cache
+        if kv_cache is None:
+            kv_cache = min(1.0, self.stats.active_requests / 8)
         text = (
             f"vllm:generation_tokens_total{labels} {float(self.generated_tokens)}\n"
-            f"vllm:num_requests_running{labels} {float(self.stats.active_requests)}\n"
-            f"vllm:num_requests_waiting{labels} 0.0\n"
-            f"vllm:kv_cache_usage_perc{labels} {min(1.0, self.stats.active_requests / 8)}\n"
+            f"vllm:num_requests_running{labels} {float(self.stats.active_requests - self.waiting)}\n"
+            f"vllm:num_requests_waiting{labels} {waiting}\n"
+            f"vllm:kv_cache_usage_perc{labels} {kv_cache}\n"
+            f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{self.model}"}} '
+            f"{float(self.stats.completed)}\n"
         ).encode()
         await exchange.start(200, b"text/plain; version=0.0.4; charset=utf-8", len(text))
         await exchange.send_body(text)
@@ -543,6 +562,7 @@ class FakeEngine:
             active_requests, active_streams = self.stats.active_requests, self.stats.active_streams
             self.stats = Stats(active_requests=active_requests, active_streams=active_streams)
             self.health = Health()
+            self.reported_waiting = self.reported_kv_cache = None
             await exchange.send_json(200, {"ok": True})
         elif method == "POST" and path == "/_test/health":
             options = json.loads(body or b"{}")
@@ -552,6 +572,11 @@ class FakeEngine:
                 delay=float(options.get("delay", 0.0)),
             )
             await exchange.send_json(200, asdict(self.health))
+        elif method == "POST" and path == "/_test/load":
+            options = json.loads(body or b"{}")
+            self.reported_waiting = options.get("waiting")
+            self.reported_kv_cache = options.get("kv_cache")
+            await exchange.send_json(200, {"waiting": self.reported_waiting, "kv_cache": self.reported_kv_cache})
         elif method == "POST" and path == "/_test/freeze":
             options = json.loads(body or b"{}")
             frozen = bool(options.get("frozen", True))
@@ -605,11 +630,32 @@ class FakeEngine:
         self.stats.requests += 1
         self.stats.active_requests += 1
         try:
-            await self._answer(exchange, record, body)
+            if self.max_num_seqs is None:
+                await self._answer(exchange, record, body)
+            else:
+                await self._answer_in_turn(exchange, record, body)
         finally:
             self.stats.active_requests -= 1
             if record.disconnected:
                 self.stats.disconnects += 1
+
+    async def _answer_in_turn(self, exchange: Exchange, record: RequestRecord, body: Any) -> None:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_num_seqs or 1)
+        # The peak counts client requests only: a gateway's liveness probes are not admitted by it.
+        client = not (record.request_id or "").startswith(GATEWAY_PROBE_PREFIX)
+        self.waiting += 1
+        self._waiting_clients += client
+        self.stats.peak_waiting = max(self.stats.peak_waiting, self._waiting_clients)
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+            self._waiting_clients -= client
+        try:
+            await self._answer(exchange, record, body)
+        finally:
+            self._slots.release()
 
     async def _answer(self, exchange: Exchange, record: RequestRecord, body: Any) -> None:
         if not isinstance(body, dict):
@@ -644,10 +690,13 @@ class FakeEngine:
             await self._respond(exchange, record, completion, faults)
 
     def _validate(self, path: str, body: dict[str, Any]) -> tuple[int, str] | None:
-        """The checks vLLM makes before generating: model name, context length."""
+        """The checks vLLM makes before generating: model name, priority under FCFS, context length."""
         model = body.get("model")
         if model is not None and model != self.model:
             return 404, f"The model `{model}` does not exist."
+        priority = body.get("priority", 0)
+        if priority != 0 and self.scheduling_policy != "priority":
+            return 400, f"Got priority {priority} but Priority scheduling is not enabled."
         if path.endswith("/chat/completions") and not isinstance(body.get("messages"), list):
             return 400, "messages: Field required"
         prompt_tokens = count_prompt_tokens(path, body)
@@ -762,6 +811,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     # `serve --model M --served-model-name N ...`: the shape the supervisor gives `vllm serve`; other vLLM
     # flags are accepted and ignored.
     parser.add_argument("--served-model-name")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
+    parser.add_argument("--max-num-seqs", type=int)
     args, _ = parser.parse_known_args(argv[1:])
     args.model = args.served_model_name or args.model
     return args
@@ -807,6 +858,8 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model,
         max_model_len=args.max_model_len,
         api_key=os.environ.get("VLLM_API_KEY"),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+        max_num_seqs=getattr(args, "max_num_seqs", None),
         # As vLLM reads it (vllm/envs.py).
         responses_store=args.responses_store or os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") == "1",
     )

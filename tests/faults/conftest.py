@@ -36,10 +36,11 @@ FIGURES_ENV = "NEMOTRON_FAULT_FIGURES"
 _IN_FLIGHT_RE = re.compile(r"^nemotron_gateway_requests_in_flight ([0-9.e+-]+)$", re.M)
 
 
-def create_key(redis_url: str, name: str, max_concurrency: int = 100, *, rpm: int = 0, tpm: int = 0) -> str:
-    """A key with `max_concurrency` slots (and no rate limits unless given), made by `nemotron-gateway keys create`."""
+def create_key(redis_url: str, name: str, max_concurrency: int = 100, *flags: str, rpm: int = 0, tpm: int = 0) -> str:
+    """A key with `max_concurrency` slots (and no rate limits unless given; further `keys create` flags), made by
+    `nemotron-gateway keys create`."""
     argv = [sys.executable, "-m", "gateway", "keys", "create", "--name", name, "--rpm", str(rpm), "--tpm", str(tpm)]
-    argv += ["--max-concurrency", str(max_concurrency), "--redis-url", redis_url]
+    argv += ["--max-concurrency", str(max_concurrency), "--redis-url", redis_url, *flags]
     done = subprocess.run(
         argv,
         cwd=REPO_ROOT,

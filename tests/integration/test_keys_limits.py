@@ -782,3 +782,19 @@ def test_keys_cli_lists_and_shows_usage(urls: dict[str, str], redis_clean: str) 
     assert re.search(rf"^tokens today:\s+{tokens}$", shown.stdout, re.MULTILINE), shown.stdout
     for result in (listing, shown):
         assert_no_secret(result.stdout + result.stderr, [secret], "the CLI's output")
+
+
+def test_keys_cli_sets_a_priority_and_refuses_a_negative_one(redis_clean: str) -> None:
+    create_keys(redis_clean, {"cli-batch": ["--priority", "5"], "cli-plain": []})
+    (batch, plain) = keys_cli(redis_clean, ["show", "cli-batch", "--json"], ["show", "cli-plain", "--json"])
+    assert orjson.loads(batch.stdout)["priority"] == 5
+    assert orjson.loads(plain.stdout)["priority"] == 0  # NEMOTRON_LIMITS__DEFAULT_PRIORITY
+    (changed, refused) = keys_cli(
+        redis_clean, ["set", "cli-plain", "--priority", "2"], ["set", "cli-batch", "--priority", "-1"]
+    )
+    assert changed.returncode == 0, changed.stderr
+    assert refused.returncode == 2 and "a priority is 0 (most urgent) or more" in refused.stderr
+    (reset,) = keys_cli(redis_clean, ["set", "cli-batch", "--priority", "default"])
+    assert reset.returncode == 0, reset.stderr
+    (batch, plain) = keys_cli(redis_clean, ["show", "cli-batch", "--json"], ["show", "cli-plain", "--json"])
+    assert (orjson.loads(batch.stdout)["priority"], orjson.loads(plain.stdout)["priority"]) == (0, 2)

@@ -1,4 +1,4 @@
-"""The GPU sweep's bookkeeping: which process is which part of the stack, and the table it writes."""
+"""The GPU sweep's bookkeeping: which process is which part of the stack, the order, the tables, the client check."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.gpu.chart import draw, medians
-from loadtest.gpu.sweep import goals, markdown, role_of
+from loadtest.gpu.sweep import client_check, goals, markdown, plan, role_of
 
 
 def test_roles_follow_the_command_lines_of_the_stack() -> None:
@@ -34,15 +34,20 @@ def test_the_table_has_one_row_per_point_with_errors_summed() -> None:
         "itl_p50_ms": 30.5,
         "itl_p99_ms": 160.25,
         "cpu_s_per_1k_tokens": {"gateway": 0.05, "vllm-api": 0.25, "engine-core": 0.5},
+        "clients": 2,
+        "client_cpu": [{"run_cpu_share": 0.61}, {"run_cpu_share": 0.58}],
     }
     rows = markdown([point]).splitlines()
     assert len(rows) == 3
     assert rows[2] == (
-        "| gateway | 256 | 500/512 | 12 | 6,543 | 120.0 / 900.0 | 30.50 / 160.25 | 0.050 | 0.250 | 0.500 |"
+        "| gateway (2 clients) | 256 | 500/512 | 12 | 6,543 | 120.0 / 900.0 | 30.50 / 160.25 | 0.050 | 0.250 | 0.500 "
+        "| 0.61 + 0.58 |"
     )
 
 
-def _point(target: str, concurrency: int, tokens_per_s: float, ttft: float, errors: int = 0) -> dict[str, Any]:
+def _point(
+    target: str, concurrency: int, tokens_per_s: float, ttft: float, errors: int = 0, **extra: Any
+) -> dict[str, Any]:
     return {
         "target": target,
         "concurrency": concurrency,
@@ -50,6 +55,8 @@ def _point(target: str, concurrency: int, tokens_per_s: float, ttft: float, erro
         "ttft_p50_ms": ttft,
         "itl_p50_ms": 4.0,
         "errors": {"503": errors} if errors else {},
+        "cpu_s_per_1k_tokens": {"gateway": 0.04, "vllm-api": 0.3, "engine-core": 0.1},
+        **extra,
     }
 
 
@@ -68,8 +75,40 @@ def test_goals_pair_rounds_and_judge_each_concurrency() -> None:
     # c=1: shares 99 % and 100 %, added TTFT +0.6 and +2.0 ms: the median (+1.3 ms) misses the 1 ms goal.
     assert by_c[1]["gateway_share"] == 0.995 and round(by_c[1]["added_ttft_p50_ms"], 2) == 1.3
     assert not by_c[1]["meets_goals"]
-    # c=64: 96 % and 100 % share (median 98 %), but one error.
+    # c=64: 96 % and 100 % share (median 98 %: below the 99 % goal), and one error.
     assert by_c[64]["errors"] == 1 and not by_c[64]["meets_goals"]
+
+
+def test_goals_count_only_the_one_client_chat_points() -> None:
+    points = [
+        _point("direct", 64, 5000.0, 60.0),
+        _point("gateway", 64, 4980.0, 60.0),
+        # A split run and a Responses point at the same concurrency judge nothing in the goals table.
+        _point("gateway", 64, 1000.0, 90.0, errors=3, clients=2),
+        _point("gateway", 64, 1000.0, 90.0, api="responses"),
+    ]
+    [row] = goals(points)
+    assert row["gateway_share"] == 0.996 and row["errors"] == 0 and row["meets_goals"]
+
+
+def test_the_client_check_compares_two_clients_with_one() -> None:
+    points = [
+        _point("direct", 256, 20000.0, 500.0),
+        _point("gateway", 256, 19800.0, 500.0),
+        _point("direct", 256, 20300.0, 500.0, clients=2),
+        _point("gateway", 256, 24000.0, 500.0, clients=2),
+    ]
+    by_target = {row["target"]: row for row in client_check(points)}
+    assert round(by_target["direct"]["ratio"], 3) == 1.015 and not by_target["direct"]["client_bound"]
+    # Two clients drove 21 % more through the gateway: one client was what bounded that point.
+    assert by_target["gateway"]["client_bound"]
+
+
+def test_the_plan_interleaves_targets_and_alternates_who_goes_first() -> None:
+    assert plan([1, 16], rounds=2) == [
+        ("direct", 1), ("gateway", 1), ("gateway", 16), ("direct", 16),
+        ("gateway", 1), ("direct", 1), ("direct", 16), ("gateway", 16),
+    ]  # fmt: skip
 
 
 def test_the_chart_takes_medians_per_concurrency_and_writes_a_png(tmp_path: Path) -> None:

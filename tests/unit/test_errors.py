@@ -10,9 +10,11 @@ import pytest
 from gateway import errors
 from gateway.errors import (
     AuthenticationError,
+    EngineBusyError,
     EngineConnectionLostError,
     EngineCredentialsError,
     EngineProtocolError,
+    EngineQueueFullError,
     EngineRefusedError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -56,6 +58,8 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),
     RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),
     QuotaExceededError: (429, "insufficient_quota", "insufficient_quota"),
+    EngineQueueFullError: (429, "rate_limit_error", "engine_queue_full"),
+    EngineBusyError: (503, "service_unavailable", "engine_busy"),
     ServiceUnavailableError: (503, "service_unavailable", "service_unavailable"),
     EngineUnavailableError: (503, "service_unavailable", "engine_unavailable"),
     EngineRefusedError: (503, "service_unavailable", "engine_unavailable"),
@@ -69,6 +73,8 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
 RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
     QuotaExceededError,
     RateLimitError,
+    EngineQueueFullError,
+    EngineBusyError,
     ServiceUnavailableError,
     EngineUnavailableError,
     EngineRefusedError,

@@ -9,6 +9,7 @@ import pytest
 from gateway.settings import EngineSettings
 from gateway.supervisor.launch import engine_environment
 from gateway.supervisor.profiles import ProfileError, build_argv, load_profiles, select_profile, unknown_flags
+from gateway.supervisor.state import scheduling_policy
 
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 
@@ -16,7 +17,16 @@ LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 def test_shipped_profiles_match_the_design_table() -> None:
     profiles = load_profiles()
     visible = {name for name, p in profiles.items() if not p.hidden}
-    assert visible == {"low-latency", "balanced", "throughput", "awq", "pcie-limited", "cpu-dev"}
+    assert visible == {
+        "low-latency",
+        "balanced",
+        "throughput",
+        "throughput-priority",
+        "throughput-priority-queued",
+        "awq",
+        "pcie-limited",
+        "cpu-dev",
+    }
     assert profiles["low-latency"].flags["gpu-memory-utilization"] == 0.85
     assert profiles["balanced"].flags["gpu-memory-utilization"] == 0.90
     assert profiles["throughput"].flags["max-num-seqs"] == 256
@@ -41,6 +51,21 @@ def test_argv_is_bound_to_localhost_with_profile_flags_then_extra_args() -> None
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.92"
     assert argv[argv.index("--max-num-seqs") + 1] == "256"
     assert argv[-2:] == ["--seed", "7"]
+
+
+def test_the_priority_profiles_extend_throughput_and_the_supervisor_records_their_policy() -> None:
+    profiles = load_profiles()
+    argv = build_argv(LAUNCHER, EngineSettings(model="m"), select_profile(profiles, "throughput-priority"))
+    assert argv[argv.index("--max-num-seqs") + 1] == "256"
+    assert scheduling_policy(argv) == "priority"
+    queued = build_argv(LAUNCHER, EngineSettings(model="m"), select_profile(profiles, "throughput-priority-queued"))
+    assert queued[queued.index("--max-num-queued-reqs") + 1] == "512"
+    plain = build_argv(LAUNCHER, EngineSettings(model="m"), select_profile(profiles, "throughput"))
+    assert scheduling_policy(plain) == "fcfs"
+    # cpu-dev with the policy as extra args (how the tests run it); the last flag wins, as in argparse.
+    extra = EngineSettings(model="m", extra_args=("--scheduling-policy", "priority"))
+    assert scheduling_policy(build_argv(LAUNCHER, extra, select_profile(profiles, "cpu-dev"))) == "priority"
+    assert scheduling_policy([*argv, "--scheduling-policy=fcfs"]) == "fcfs"
 
 
 def test_booleans_are_bare_flags_or_absent() -> None:

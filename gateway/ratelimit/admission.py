@@ -1,0 +1,268 @@
+"""EngineAdmission: refuses new work before vLLM's queue once it is full, lowest priority first, across every
+gateway sharing Redis.
+
+What the engine carries comes from vLLM's own gauges, read by each worker's engine monitor and published to
+Redis with `mark`: the value of the gateways' shared admission counter `TRANSIT` before that scrape. A request is
+judged by one Lua script (one round trip) against the newest scrape plus every admission counted since its
+mark, so a burst between two scrapes cannot overshoot the bound, whichever worker or host admits it. It is
+kept out of the per-key limiter's script on purpose: that one's keys carry the key's hash tag, these are one
+per engine, and a Redis Cluster runs a script on the keys of one slot only. A scrape older than a few
+intervals expires, and without one nothing is refused: the engine monitor answers for a down engine.
+
+The tier rule: priority p is in tier min(p, len(shares) - 1); it is refused with 429 once waiting requests
+reach max(1, max_waiting x shares[tier]), and with 503 once the KV-cache use reaches max_kv_cache_use x
+shares[tier]. Retry-After is the time the observed drain rate (requests finished per second) takes to bring
+the queue back under the tier's bound, between 1 s and `max_retry_after`.
+Imports errors, settings, metrics and redis_client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import redis.asyncio as redis_asyncio
+
+from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
+from gateway.metrics import GatewayMetrics
+from gateway.redis_client import RedisCalls
+from gateway.settings import AdmissionSettings, Settings
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "nemotron:admission:"
+_UNAVAILABLE = "The admission store is unavailable; retry shortly."
+# A published scrape lives this many scrape intervals (at least `_MIN_TTL_MS`): a gateway that stopped
+# scraping (engine down, every worker gone) must not leave a stale queue refusing work.
+_SCRAPES_KEPT = 5
+_MIN_TTL_MS = 5000
+# Seconds between taking the mark and scraping: a request admitted just before the mark has this long to reach
+# the engine and show in its gauges (one admitted within it is counted twice until the next scrape: on the
+# safe side).
+TRANSIT = 0.05
+
+ADMITTED, REFUSED_WAITING, REFUSED_KV_CACHE = 0, 1, 2
+
+# KEYS: the load record (HASH: waiting, kv, mark, drain), the admission counter.
+# ARGV: the tier's bound on waiting requests (-1: off), its bound on KV-cache use (-1: off).
+# Returns {outcome, waiting requests counted, drain rate as text}.
+ADMIT = """
+local load = redis.call('HMGET', KEYS[1], 'waiting', 'kv', 'mark', 'drain')
+if not load[1] then
+  redis.call('INCR', KEYS[2])
+  return {0, 0, '0'}
+end
+local counted = tonumber(redis.call('GET', KEYS[2]) or '0')
+local waiting = tonumber(load[1]) + math.max(0, counted - tonumber(load[3]))
+local kv_bound, waiting_bound = tonumber(ARGV[2]), tonumber(ARGV[1])
+if kv_bound >= 0 and tonumber(load[2]) >= kv_bound then return {2, waiting, load[4]} end
+if waiting_bound >= 0 and waiting >= waiting_bound then return {1, waiting, load[4]} end
+redis.call('INCR', KEYS[2])
+return {0, waiting + 1, load[4]}
+"""
+
+# KEYS: the load record, the admission counter. ARGV: waiting, kv, mark, drain, ttl ms.
+# A scrape whose mark is older than the one published (another worker's newer scrape) is dropped.
+PUBLISH = """
+local published = tonumber(redis.call('HGET', KEYS[1], 'mark') or '-1')
+if tonumber(ARGV[3]) < published then return 0 end
+redis.call('HSET', KEYS[1], 'waiting', ARGV[1], 'kv', ARGV[2], 'mark', ARGV[3], 'drain', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What one scrape of vLLM's /metrics says about its load."""
+
+    waiting: float
+    running: float
+    kv_cache_use: float
+    finished: float  # requests finished so far (a counter): the drain rate is its growth
+
+
+def _series(name: str) -> re.Pattern[str]:
+    return re.compile(rf"^vllm:{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
+
+
+# vLLM's names (vllm/v1/metrics/loggers.py, 0.26 and 0.32); gpu_cache_usage_perc is the older KV-cache name.
+_WAITING = _series("num_requests_waiting")
+_RUNNING = _series("num_requests_running")
+_KV_CACHE = _series("(?:kv|gpu)_cache_usage_perc")
+_FINISHED = _series("request_success_total")
+
+
+def parse_load(text: str) -> EngineLoad | None:
+    """The load gauges summed over their labels (engines, finish reasons; the KV cache as the fullest engine);
+    None when the text has no waiting gauge (not vLLM's /metrics)."""
+    waiting = _WAITING.findall(text)
+    if not waiting:
+        return None
+    return EngineLoad(
+        waiting=sum(map(float, waiting)),
+        running=sum(map(float, _RUNNING.findall(text))),
+        kv_cache_use=max(map(float, _KV_CACHE.findall(text)), default=0.0),
+        finished=sum(map(float, _FINISHED.findall(text))),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TierBounds:
+    """The bounds that apply to one priority tier (None: that bound is off)."""
+
+    tier: int
+    waiting: int | None
+    kv_cache_use: float | None
+
+
+def tier_of(priority: int, settings: AdmissionSettings) -> int:
+    """The tier of `priority`: its index in `shares`, the last share for every larger priority."""
+    return min(max(priority, 0), len(settings.shares) - 1)
+
+
+def tier_bounds(priority: int, settings: AdmissionSettings) -> TierBounds:
+    """The bounds of `priority`'s tier: the full bounds for tier 0, `shares[tier]` of them below (at least one
+    waiting request, so that every tier is served while the queue is short)."""
+    tier = tier_of(priority, settings)
+    share = settings.shares[tier]
+    waiting = None if settings.max_waiting is None else max(1, math.floor(settings.max_waiting * share))
+    kv = None if settings.max_kv_cache_use is None else settings.max_kv_cache_use * share
+    return TierBounds(tier=tier, waiting=waiting, kv_cache_use=kv)
+
+
+def retry_after(waiting: float, bound: int, drain: float, settings: AdmissionSettings) -> float:
+    """Seconds until `drain` requests/s bring `waiting` below `bound`, within [1, max_retry_after]; the longest
+    when nothing is seen draining."""
+    if drain <= 0:
+        return settings.max_retry_after
+    return min(settings.max_retry_after, max(1.0, (waiting - bound + 1) / drain))
+
+
+def engine_id(settings: Settings) -> str:
+    """What names this engine in Redis: the setting, else this host and the engine URL (gateways on other hosts
+    share the counter only when they front the same engine and say so with NEMOTRON_ADMISSION__ENGINE_ID)."""
+    return settings.admission.engine_id or f"{socket.gethostname()}|{settings.engine_url}"
+
+
+class EngineAdmission:
+    """Admits a request against the engine's load (Redis), and publishes what the engine monitor scrapes."""
+
+    def __init__(self, redis: redis_asyncio.Redis, settings: Settings, metrics: GatewayMetrics) -> None:
+        self._settings = settings.admission
+        self._fail_open = settings.limits.fail_open
+        self._metrics = metrics
+        self._calls = RedisCalls(settings, metrics)
+        name = engine_id(settings)
+        self._keys = [f"{_PREFIX}{{{name}}}:load", f"{_PREFIX}{{{name}}}:admitted"]
+        self._admit = redis.register_script(ADMIT)
+        self._publish = redis.register_script(PUBLISH)
+        self._redis = redis
+        self._last: tuple[float, float] | None = None  # (monotonic time, finished) of this worker's last scrape
+        self._drain = 0.0  # requests finished per second between this worker's last two scrapes
+        self._warned = False
+        self._ttl_ms = max(_MIN_TTL_MS, int(_SCRAPES_KEPT * settings.relay.probe_interval * 1000))
+        # Every tier's series exist from the start (at 0), so rates and the dashboard's panels have data; the
+        # sent counters are looked up once (labels() per request shows in a profile).
+        tiers = range(len(self._settings.shares))
+        for tier in tiers:
+            for reason in ("waiting", "kv_cache"):
+                metrics.admission_refused.labels(str(tier), reason)
+        self._sent = {
+            (tier, sent): metrics.priority_sent.labels(str(tier), "sent" if sent else "dropped")
+            for tier in tiers
+            for sent in (True, False)
+        }
+        metrics.admission_refused.labels("all", "engine_queue")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any bound is set."""
+        return self._settings.enabled
+
+    async def admit(self, priority: int) -> None:
+        """Count the request in, or raise EngineQueueFullError (429) / EngineBusyError (503) with Retry-After."""
+        if not self._settings.enabled:
+            return
+        bounds = tier_bounds(priority, self._settings)
+        args = [
+            -1 if bounds.waiting is None else bounds.waiting,
+            -1 if bounds.kv_cache_use is None else repr(bounds.kv_cache_use),
+        ]
+        try:
+            outcome, waiting, drain_text = await self._calls(
+                lambda: self._admit(keys=self._keys, args=args), unavailable=_UNAVAILABLE
+            )
+        except KeyStoreUnavailableError:
+            if self._fail_open:  # NEMOTRON_LIMITS__FAIL_OPEN: Redis down admits, as for the key's limits
+                return
+            raise
+        if outcome == ADMITTED:
+            return
+        drain = float(drain_text)
+        tier = str(bounds.tier)
+        if outcome == REFUSED_KV_CACHE:
+            self._metrics.admission_refused.labels(tier, "kv_cache").inc()
+            raise EngineBusyError(
+                "The model engine's KV cache is full for this priority; retry shortly.",
+                retry_after=retry_after(1, 1, drain, self._settings),
+            )
+        self._metrics.admission_refused.labels(tier, "waiting").inc()
+        bound = bounds.waiting or 1
+        raise EngineQueueFullError(
+            f"The model engine's queue is full for this priority ({int(waiting)} waiting, bound {bound}); "
+            "retry after the Retry-After seconds.",
+            retry_after=retry_after(waiting, bound, drain, self._settings),
+            limit="engine_queue",
+        )
+
+    def count_sent(self, priority: int, *, sent: bool) -> None:
+        """Count a request going to the engine at `priority`, with vLLM's `priority` field or without (FCFS)."""
+        self._sent[tier_of(priority, self._settings), sent].inc()
+
+    async def observe(self, scrape: Callable[[], Awaitable[str]]) -> None:
+        """Scrape the engine's /metrics with `scrape` (the engine monitor's, on its interval), export its load and,
+        with a bound set, publish it; a failed scrape or Redis call is logged and leaves the last one to expire."""
+        try:
+            mark = await self.mark() if self.enabled else 0
+            if self.enabled:
+                await asyncio.sleep(TRANSIT)
+            load = parse_load(await scrape())
+            if load is None:
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("the engine's /metrics has no vllm:num_requests_waiting; admission sees no load")
+                return
+            await self.publish(load, mark, time.monotonic())
+        except GatewayError as exc:
+            logger.debug("engine load not published: %s", exc.message)
+
+    async def mark(self) -> int:
+        """The admission counter now: taken just before a scrape, what was admitted after it counts as pending."""
+        raw = await self._calls(lambda: self._redis.get(self._keys[1]), unavailable=_UNAVAILABLE)
+        return int(raw or 0)
+
+    async def publish(self, load: EngineLoad, mark: int, now: float) -> None:
+        """Export the load and this worker's drain rate; with a bound set, publish them (`mark` from `mark()`)."""
+        drain = 0.0
+        if self._last is not None and now > self._last[0]:
+            drain = max(0.0, (load.finished - self._last[1]) / (now - self._last[0]))
+        self._last = (now, load.finished)
+        self._drain = drain
+        for figure, value in (
+            ("waiting", load.waiting),
+            ("running", load.running),
+            ("kv_cache_use", load.kv_cache_use),
+            ("drain_per_second", drain),
+        ):
+            self._metrics.engine_load.labels(figure).set(value)
+        if not self.enabled:
+            return
+        args: list[str | int] = [repr(load.waiting), repr(load.kv_cache_use), mark, repr(drain), self._ttl_ms]
+        await self._calls(lambda: self._publish(keys=self._keys, args=args), unavailable=_UNAVAILABLE)

@@ -1,0 +1,92 @@
+"""The GPU priority step's own reading of what it meets: vLLM's queue from /metrics, and a shed answer judged
+well-formed only with its 429/503 status, OpenAI's error envelope and Retry-After (real HTTP servers)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from loadtest.gpu import priority
+
+pytestmark = pytest.mark.timeout(30)
+
+METRICS = (
+    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+    'vllm:num_requests_running{engine="0",model_name="nemotron"} 250.0\n'
+    'vllm:num_requests_running{engine="1",model_name="nemotron"} 6.0\n'
+    'vllm:num_requests_waiting{engine="0",model_name="nemotron"} 300.0\n'
+    'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 999.0\n'
+)
+ENVELOPE = {"error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}}
+ANSWERS: dict[str, tuple[int, dict[str, str], bytes]] = {
+    "/shed/v1/chat/completions": (429, {"Retry-After": "1"}, json.dumps(ENVELOPE).encode()),
+    "/bare/v1/chat/completions": (503, {}, json.dumps(ENVELOPE).encode()),
+    "/text/v1/chat/completions": (429, {"Retry-After": "1"}, b"Too Many Requests"),
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self._answer(200, {}, METRICS.encode())
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer(*ANSWERS[self.path])
+
+    def _answer(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_the_engine_queue_sums_vllms_gauges_over_engines(server: str) -> None:
+    assert priority.engine_queue(server) == (256.0, 300.0)
+    assert priority.engine_queue("http://127.0.0.1:9") == (-1.0, -1.0)
+
+
+def test_a_shed_answer_is_well_formed_only_with_envelope_and_retry_after(server: str) -> None:
+    shed = priority.probe_once(f"{server}/shed", "k", "nemotron")
+    assert shed["status"] == 429 and shed["retry_after"] == "1" and shed["well_formed"] and shed["ms"] > 0
+    assert not priority.probe_once(f"{server}/bare", "k", "nemotron")["well_formed"]  # no Retry-After
+    assert not priority.probe_once(f"{server}/text", "k", "nemotron")["well_formed"]  # not the envelope
+
+
+def test_the_tables_judge_the_loaded_p99_against_the_unloaded_one() -> None:
+    phases = {
+        "alone": {"interactive": {"completed": 320, "failed": 0, "ttft_p50_ms": 20.0, "ttft_p99_ms": 40.0}},
+        "gateway-loaded": {
+            "interactive": {"completed": 320, "failed": 0, "ttft_p50_ms": 30.0, "ttft_p99_ms": 70.0},
+            "engine_queue": {"running_median": 256, "waiting_median": 256, "waiting_max": 300},
+            "batch": {"output_tokens_per_s": 15000.0},
+        },
+        "overload-gateway": {
+            "rate": 450.0, "completed": 3000, "failed": 6000, "good_requests": 2900, "request_goodput": 145.0,
+            "ttft_p50_ms": 200.0, "ttft_p99_ms": 900.0, "errors": {"Too Many Requests": 6000},
+            "shed_probe": {"shed": 60, "probes": 100, "statuses": {"200": 40, "429": 60}, "shed_well_formed": 60,
+                           "shed_ms_p50": 1.2, "shed_ms_p99": 3.4, "shed_ms_max": 5.0},
+        },
+    }  # fmt: skip
+    table = priority.markdown(phases, ["a note"])
+    assert "| gateway-loaded | 320/0 | 30.0 / 70.0 | 1.75x | 256 / 256, 300 | 15000.0 |" in table
+    assert "| overload-gateway | 450.0 | 3000 / 6000 | 2900 | 145.0 | 200.0 / 900.0 |" in table
+    assert "60 of 100 probes refused" in table and "60 well-formed" in table and "- a note" in table
