@@ -100,6 +100,7 @@ class EngineMonitor:
         # may refuse a non-zero `priority`).
         self.priority_scheduling = False
         self._status_file = settings.engine.state_dir / STATUS_FILE
+        self._policy_version: tuple[int, int] | None = (-1, -1)  # the status file's (inode, mtime) last read
         self._load_observer = load_observer
         self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self._tick)
 
@@ -129,6 +130,17 @@ class EngineMonitor:
         return await self._client.metrics_text(self._relay.probe_timeout)
 
     async def _learn_policy(self) -> None:
+        # Read (in a thread) only when the supervisor has rewritten the file (it replaces it: a new inode): every
+        # worker looks on every tick, and a thread's round trip each time was a good part of an idle worker's CPU.
+        # A stat of the local state file takes microseconds, so it runs on the loop.
+        try:
+            found = os.stat(self._status_file)
+            version: tuple[int, int] | None = (found.st_ino, found.st_mtime_ns)
+        except OSError:
+            version = None
+        if version == self._policy_version:
+            return
+        self._policy_version = version
         policy = await asyncio.to_thread(launched_policy, self._status_file)
         if (policy == PRIORITY) != self.priority_scheduling:
             logger.info("engine scheduling policy: %s", policy)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -19,6 +20,7 @@ from gateway.relay.client import EngineClient
 from gateway.relay.monitor import NOT_GENERATING, EngineMonitor
 from gateway.relay.shared import SharedEngineState
 from gateway.settings import Settings
+from gateway.supervisor.state import STATUS_FILE, EngineStatus
 from tests.procs import async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(20)
@@ -260,3 +262,34 @@ async def test_an_engine_refusing_the_gateways_key_is_not_ready_and_says_why(
     async with _monitoring(url, EngineActivity(), 3600) as monitor:
         assert monitor.ready_reason() == "engine key refused"
     assert any("NEMOTRON_ENGINE_API_KEY" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+
+
+async def test_the_policy_is_read_again_only_when_the_supervisor_rewrote_its_status(
+    served: tuple[Engine, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, url = served
+    reads = 0
+    read = monitor_module.launched_policy
+
+    def counted(path: Path) -> str:
+        nonlocal reads
+        reads += 1
+        return read(path)
+
+    monkeypatch.setattr(monitor_module, "launched_policy", counted)
+    relay = {"probe_interval": 0.05, "probe_timeout": 0.2, "generation_probe_timeout": 0.3}
+    settings = Settings(engine_url=url, relay=relay, engine={"state_dir": tmp_path})
+    EngineStatus(scheduling_policy="fcfs").write(tmp_path / STATUS_FILE)
+    client = EngineClient(settings)
+    await client.start()
+    monitor = EngineMonitor(client, settings, GatewayMetrics(), EngineActivity())
+    await monitor.start()
+    try:
+        await asyncio.sleep(0.5)  # ten ticks
+        assert reads == 1 and not monitor.priority_scheduling
+        EngineStatus(scheduling_policy="priority").write(tmp_path / STATUS_FILE)  # a restart under another policy
+        await async_wait_until(lambda: monitor.priority_scheduling, within=2)
+        assert reads == 2
+    finally:
+        await monitor.stop()
+        await client.stop()
