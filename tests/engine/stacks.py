@@ -51,11 +51,17 @@ def up_settings(
 
 @contextlib.contextmanager
 def running_up(
-    env: dict[str, str], *up_args: str, key_prefix: str, rpm: int = 1000, tpm: int = 10_000_000
+    env: dict[str, str],
+    *up_args: str,
+    key_prefix: str,
+    rpm: int = 1000,
+    tpm: int = 10_000_000,
+    key_flags: tuple[str, ...] = (),
 ) -> Iterator[tuple[ServerProcess, str]]:
-    """`nemotron-gateway up UP_ARGS` with `env`, ready, and a key of its own (revoked afterwards)."""
+    """`nemotron-gateway up UP_ARGS` with `env`, ready, and a key of its own (`keys create` with `key_flags` too;
+    revoked afterwards)."""
     name = f"{key_prefix}-{uuid.uuid4().hex[:8]}"
-    created = gateway_cli(env, "keys", "create", "--name", name, "--rpm", str(rpm), "--tpm", str(tpm))
+    created = gateway_cli(env, "keys", "create", "--name", name, "--rpm", str(rpm), "--tpm", str(tpm), *key_flags)
     assert created.returncode == 0, created.stderr
     key = created.stdout.strip().splitlines()[-1]
     gateway_port = env["NEMOTRON_PORT"]

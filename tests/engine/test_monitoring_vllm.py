@@ -54,7 +54,8 @@ def prometheus(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.Tem
     rules = Path(workdir / "alerts.yml")
     rules.write_text((PROMETHEUS_DIR / "alerts.yml").read_text())
     with (
-        running_up(env, key_prefix="monitoring", rpm=0, tpm=0) as (proc, key),
+        # A daily budget, so the dashboard's budget panel has a key to show.
+        running_up(env, key_prefix="monitoring", rpm=0, tpm=0, key_flags=("--daily-tokens", "1000000")) as (proc, key),
         _prometheus(_scrape_config(gateway_port, supervisor_port, rules), workdir / "prom") as url,
     ):
         try:
@@ -100,4 +101,8 @@ def test_every_panel_but_the_gpus_has_data_on_the_real_engine(prometheus: str) -
     def empty() -> list[str]:
         return [q.expr for q in queries if not any(n in q.expr for n in quiet) and not _query(prometheus, q.expr)]
 
-    wait_until(lambda: not empty(), timeout=60, interval=1.0, message=f"panels without data: {empty()}")
+    # The message is read at the deadline: what was still empty then, not before the first scrape.
+    try:
+        wait_until(lambda: not empty(), timeout=60, interval=1.0)
+    except AssertionError:
+        pytest.fail(f"panels without data: {empty()}", pytrace=False)
