@@ -93,9 +93,12 @@ class SentinelGroup:
         return _client(self.master()[1])
 
     def kill_master(self) -> int:
-        """SIGKILL the master (no shutdown, no last write to disk); its port."""
+        """SIGKILL the master (no shutdown, no last write to disk) and wait until it is gone; its port."""
         port = self.master()[1]
-        self._redis[port].send_signal(signal.SIGKILL)
+        master = self._redis[port]
+        master.send_signal(signal.SIGKILL)
+        # The signal is delivered, not yet acted on: on a busy machine the master can answer a few more commands.
+        wait_until(lambda: not master.running, timeout=5, interval=0.001, message="the master outlived SIGKILL")
         return port
 
     def flush_replica_scripts(self) -> None:
