@@ -17,7 +17,7 @@ from gateway.auth import ApiKey, KeyLimits, KeyNotFoundError, KeyStore
 from gateway.errors import KeyStoreUnavailableError, QuotaExceededError, RateLimitError
 from gateway.ratelimit import Lease, RedisRateLimiter, TokenDetail
 from gateway.redis_client import connect_redis
-from gateway.settings import AuthSettings, RateLimitSettings, Settings
+from gateway.settings import AuthSettings, RateLimitSettings, RedisSettings, Settings
 from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -41,6 +41,9 @@ def _key(daily: int | None = None, monthly: int | None = None, name: str = "budg
 def _settings(url: str, **limits: Any) -> Settings:
     return Settings(
         redis_url=SecretStr(url),
+        # 400 concurrent admissions on a busy 2-core machine: the production half-second deadlines would time
+        # some out, which is the Redis-fault tests' subject, not this module's.
+        redis=RedisSettings(connect_timeout=5.0, socket_timeout=5.0, command_timeout=10.0),
         auth=AuthSettings(secret=SecretStr("budget-pepper")),
         limits=RateLimitSettings.model_validate({"window": 3600.0, **limits}),
     )
@@ -52,14 +55,15 @@ class Processes:
     def __init__(self, url: str) -> None:
         self.url = url
         self._clients: list[redis_asyncio.Redis] = []
+        self._limiters: list[RedisRateLimiter] = []
 
     def limiter(self, clock: Callable[[], datetime] | None = None, **limits: Any) -> RedisRateLimiter:
         settings = _settings(self.url, **limits)
         client = connect_redis(settings)
         self._clients.append(client)
-        if clock is None:
-            return RedisRateLimiter(client, settings)
-        return RedisRateLimiter(client, settings, clock=clock)
+        limiter = RedisRateLimiter(client, settings, **({} if clock is None else {"clock": clock}))
+        self._limiters.append(limiter)
+        return limiter
 
     def store(self, operator: str | None = None) -> KeyStore:
         settings = _settings(self.url)
@@ -68,6 +72,9 @@ class Processes:
         return KeyStore(client, settings, operator=operator)
 
     async def close(self) -> None:
+        # Background releases first: a task left pending would be destroyed with its Redis connection later.
+        for limiter in self._limiters:
+            await limiter.stop()
         for client in self._clients:
             await client.aclose()
 
