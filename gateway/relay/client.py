@@ -95,7 +95,7 @@ class _EngineStreamReader(aiohttp.StreamReader):
 
 
 class _TappedStreamReader(_EngineStreamReader):
-    """The engine's StreamReader that offers each chunk to its tap before buffering it (issue 11).
+    """The engine's StreamReader that offers each chunk to its tap before buffering it (the fast relay path).
 
     A chunk the tap relays never enters the buffer: no future is resolved and the reading task is not woken for it.
     """
