@@ -395,17 +395,17 @@ def _when(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
+def _add_number_flag(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
+    """One `--flag N` of a key's numbers (a limit or a budget): absent from the namespace unless given."""
+    name = f"--{flag.replace('_', '-')}"
+    parser.add_argument(name, dest=flag, type=_limit_arg, default=argparse.SUPPRESS, metavar="N", help=help_text)
+
+
 def _add_limit_flags(parser: argparse.ArgumentParser, *, allow_default: bool = False) -> None:
     for flag, _, meaning in _LIMIT_FLAGS:
         extra = "; 'default': the server default" if allow_default else ""
-        parser.add_argument(
-            f"--{flag.replace('_', '-')}",
-            dest=flag,
-            type=_limit_arg,
-            default=argparse.SUPPRESS,
-            metavar="N",
-            help=f"Limit on {meaning} (0: unlimited{extra}; omitted: {'unchanged' if allow_default else 'default'}).",
-        )
+        omitted = "unchanged" if allow_default else "default"
+        _add_number_flag(parser, flag, f"Limit on {meaning} (0: unlimited{extra}; omitted: {omitted}).")
 
 
 def _add_priority_flag(parser: argparse.ArgumentParser, *, allow_default: bool = False) -> None:
@@ -443,13 +443,8 @@ def _number_or_default(text: str, negative: str) -> int | None:
 def _add_budget_flags(parser: argparse.ArgumentParser, *, allow_default: bool = False) -> None:
     for flag, _, window, _ in _BUDGET_FLAGS:
         extra = "; 'default': the server default" if allow_default else ""
-        parser.add_argument(
-            f"--{flag.replace('_', '-')}",
-            dest=flag,
-            type=_limit_arg,
-            default=argparse.SUPPRESS,
-            metavar="N",
-            help=f"Token budget per {window} (NEMOTRON_LIMITS__BUDGET_TIMEZONE; 0: unlimited{extra}).",
+        _add_number_flag(
+            parser, flag, f"Token budget per {window} (NEMOTRON_LIMITS__BUDGET_TIMEZONE; 0: unlimited{extra})."
         )
 
 
