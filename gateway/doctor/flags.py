@@ -39,6 +39,12 @@ class EngineFlags:
     hf_overrides_error: str | None = None  # --hf-overrides given but not a JSON object
     download_dir: str | None = None  # where vLLM looks for (and puts) hub downloads instead of the HF cache
     reasoning_parser: str | None = None
+    gpu_spread: int = 1  # GPUs one engine spreads the model over: --tensor-parallel-size x --pipeline-parallel-size
+
+
+def _parallel(values: Mapping[str, str | None], name: str) -> int:
+    value = values.get(name) or "1"
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def _options(argv: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -125,6 +131,7 @@ def parse_flags(argv: Sequence[str]) -> EngineFlags:
         hf_overrides_error=overrides_error,
         download_dir=values.get("download-dir"),
         reasoning_parser=values.get("reasoning-parser") or None,
+        gpu_spread=_parallel(values, "tensor-parallel-size") * _parallel(values, "pipeline-parallel-size"),
     )
 
 

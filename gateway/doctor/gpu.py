@@ -17,6 +17,7 @@ from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, failed, gib, passed, skipped, warned
 from gateway.doctor.fatbin import cuda_archs
 from gateway.doctor.nvml import GpuReadings
+from gateway.supervisor.presets import GpuNeeds
 
 # Lowest driver branch for each CUDA toolkit version (NVIDIA's CUDA release notes, table 3).
 _DRIVER_FOR_CUDA = {(11, 8): "520", (12, 0): "525", (12, 4): "550", (12, 6): "560", (12, 8): "570", (13, 0): "580"}
@@ -118,6 +119,48 @@ def _match_uuid(token: str, uuids: Sequence[str]) -> bool:
     if not uuids:
         return True  # UUIDs unknown: accept the form, CUDA will judge
     return sum(u.lower().startswith(token.lower()) for u in uuids) == 1
+
+
+@dataclass(frozen=True)
+class SeenGpu:
+    """What the preset check reads of one visible GPU."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    memory_total: int  # bytes
+
+
+def check_preset_gpus(preset: str, needs: GpuNeeds, gpus: Sequence[SeenGpu], spread: int = 1) -> Check:
+    """The preset's checkpoint needs this many GPUs, this generation and this much memory, and the engine's argv
+    must spread it over that many (fatal: vLLM finds out minutes into the start, or never has the kernels)."""
+    row = rows.PRESET_GPUS
+    wanted = f"preset {preset} needs {needs.describe()}"
+    if needs == GpuNeeds():
+        return passed(row, f"preset {preset} names no GPU needs")
+    seen = ", ".join(f"{g.name} (cc {g.compute_capability[0]}.{g.compute_capability[1]})" for g in gpus)
+    measured = f"{wanted}; visible: {len(gpus)} x {seen or 'none'}"
+    if needs.compute_capability is not None and any(g.compute_capability < needs.compute_capability for g in gpus):
+        major, minor = needs.compute_capability
+        fix = (
+            f"its weights need compute capability {major}.{minor}+ kernels: serve it on such GPUs, or choose the "
+            "preset of a checkpoint these GPUs run (FP8 or BF16 on Hopper)"
+        )
+        return failed(row, measured, fix)
+    if len(gpus) < needs.count:
+        fix = f"make {needs.count} GPUs visible (CUDA_VISIBLE_DEVICES), or choose a checkpoint that fits fewer"
+        return failed(row, measured, fix)
+    used = list(gpus)[: max(spread, 1)]
+    if spread < needs.count:
+        fix = (
+            f"spread the engine over {needs.count} GPUs: --tensor-parallel-size {needs.count} (a multi-GPU "
+            "profile, or NEMOTRON_ENGINE__EXTRA_ARGS)"
+        )
+        return failed(row, f"{measured}; the engine's argv spreads it over {spread}", fix)
+    memory = sum(g.memory_total for g in used)
+    if needs.memory_gb is not None and memory < needs.memory_gb * 10**9:
+        fix = "spread it over more GPUs (--tensor-parallel-size), or choose a smaller checkpoint (FP8, NVFP4)"
+        return failed(row, f"{measured}; the {len(used)} GPU(s) it uses hold {memory / 10**9:.0f} GB", fix)
+    return passed(row, f"{measured}; spread over {len(used)}")
 
 
 def check_cuda_visible_devices(value: str | None, gpu_count: int, uuids: Sequence[str] = ()) -> Check:

@@ -22,6 +22,8 @@ GPU_PRESENT = Row("NVIDIA GPU", fatal=True)
 DRIVER = Row("driver vs torch CUDA", fatal=True)
 FLASH_ATTN = Row("compute capability vs flash-attn")
 GPU_MEMORY = Row("GPU memory free", fatal=True)
+# The preset's checkpoint on too few or the wrong GPUs fails late (out of memory, or no kernels for NVFP4 on Hopper).
+PRESET_GPUS = Row("GPUs for the preset", fatal=True)
 CUDA_VISIBLE_DEVICES = Row("CUDA_VISIBLE_DEVICES", fatal=True)
 PCIE = Row("PCIe link")
 DEVICE_NODES = Row("GPU device nodes")
@@ -32,6 +34,8 @@ DISK = Row("disk for model cache")
 PROXY = Row("proxy variables")
 REDIS = Row("Redis")
 ENGINE_PORT = Row("engine port", fatal=True)
+# A vLLM older than the preset's minimum lacks the model's architecture or the preset's parsers.
+VLLM_VERSION = Row("vLLM version", fatal=True)
 
 MODEL_DIRECTORY = Row("model directory", fatal=True)
 MODEL_CONFIG = Row("model config", fatal=True)
@@ -43,8 +47,8 @@ BOS = Row("BOS token")
 ROPE_THETA = Row("rope_theta")
 CONTEXT_LENGTH = Row("context length", fatal=True)
 
-GPU_ROWS = (GPU_PRESENT, DRIVER, FLASH_ATTN, GPU_MEMORY, CUDA_VISIBLE_DEVICES, PCIE, DEVICE_NODES)
-HOST_ROWS = (CGROUP, OPEN_FILES, DISK, PROXY, REDIS, ENGINE_PORT)
+GPU_ROWS = (GPU_PRESENT, DRIVER, FLASH_ATTN, GPU_MEMORY, PRESET_GPUS, CUDA_VISIBLE_DEVICES, PCIE, DEVICE_NODES)
+HOST_ROWS = (CGROUP, OPEN_FILES, DISK, PROXY, REDIS, ENGINE_PORT, VLLM_VERSION)
 MODEL_ROWS = (
     MODEL_DIRECTORY,
     MODEL_CONFIG,

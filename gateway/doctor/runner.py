@@ -17,9 +17,17 @@ from pydantic import SecretStr
 
 from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, skipped, worst
-from gateway.doctor.engine_config import NOT_INSTALLED, EngineVerdict, ask_vllm, engine_checks
+from gateway.doctor.engine_config import (
+    NOT_INSTALLED,
+    EngineVerdict,
+    ask_vllm,
+    check_vllm_version,
+    engine_checks,
+    installed_version,
+)
 from gateway.doctor.flags import engine_flags
 from gateway.doctor.gpu import (
+    SeenGpu,
     check_cuda_visible_devices,
     check_device_nodes,
     check_driver_vs_torch,
@@ -27,6 +35,7 @@ from gateway.doctor.gpu import (
     check_gpu_memory,
     check_gpu_present,
     check_pcie,
+    check_preset_gpus,
     flash_attn_libraries,
     read_flash_attn_build,
     read_torch_build,
@@ -52,6 +61,7 @@ from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
 from gateway.doctor.running import RunningEngine, running_engine
 from gateway.settings import Settings, masked_redis_url
 from gateway.supervisor.launch import engine_python
+from gateway.supervisor.presets import GpuNeeds, load_presets, select_preset
 from gateway.supervisor.profiles import Profile, build_argv
 
 
@@ -84,6 +94,12 @@ class DoctorConfig:
     engine_args: tuple[str, ...] = ()
     engine_env: Mapping[str, str] = field(default_factory=dict)
     verdict_cache: Path | None = None  # where vLLM's verdicts are kept (the state dir); None: not kept
+    # The model preset: what its checkpoint needs of the GPUs and of the installed vLLM, and how many GPUs the
+    # engine's argv spreads it over (--tensor-parallel-size x --pipeline-parallel-size).
+    preset: str = "generic"
+    preset_needs: GpuNeeds = field(default_factory=GpuNeeds)
+    min_vllm: str | None = None
+    gpu_spread: int = 1
 
 
 def hub_cache(env: Mapping[str, str]) -> Path:
@@ -142,6 +158,12 @@ def _gpu_checks(
             ],
             labels,
         ),
+        check_preset_gpus(
+            config.preset,
+            config.preset_needs,
+            [SeenGpu(d.name, d.compute_capability, d.memory_total) for d in visible],
+            config.gpu_spread,
+        ),
         check_cuda_visible_devices(
             env.get("CUDA_VISIBLE_DEVICES"), len(readings.devices), [d.uuid for d in readings.devices]
         ),
@@ -170,6 +192,7 @@ def _host_checks(config: DoctorConfig, env: Mapping[str, str], engine: RunningEn
         check_proxy(env, probe_proxies(proxies)),
         redis_row,
         _engine_port(config, engine),
+        check_vllm_version(installed_version(config.engine_python), config.min_vllm, config.preset),
     ]
 
 
@@ -241,6 +264,7 @@ def run_checks(config: DoctorConfig) -> list[Check]:
 def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
     """What the engine would be started with: the flags of the argv the supervisor builds (profile, extra args)."""
     flags = engine_flags(settings.engine, profile)
+    preset = select_preset(load_presets(settings.engine.profiles_file), settings.engine.preset)
     return DoctorConfig(
         model=flags.model,
         tokenizer=flags.tokenizer,
@@ -263,4 +287,8 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         engine_args=tuple(build_argv([], settings.engine, profile)) if settings.engine.model else (),
         engine_env=dict(profile.env),
         verdict_cache=settings.engine.state_dir,
+        preset=preset.name,
+        preset_needs=preset.needs,
+        min_vllm=preset.min_vllm,
+        gpu_spread=flags.gpu_spread,
     )
