@@ -235,3 +235,130 @@ def test_the_running_preset_is_written_for_a_hand_run_doctor(tmp_path: Path) -> 
     settings = Settings(engine={"model": "/m", "preset": "nemotron-nano-9b-v2", "state_dir": tmp_path})
     write_running_env(settings)
     assert 'NEMOTRON_ENGINE__PRESET="nemotron-nano-9b-v2"' in (tmp_path / "run.env").read_text().splitlines()
+
+
+# Each preset's conventions, with the source each was checked against (the same sources presets.toml cites).
+CONVENTIONS = {
+    # preset: (reasoning switch, tool-call parser, context length)
+    # NVIDIA's cookbook (NVIDIA-NeMo/Nemotron usage-cookbook/Llama-Nemotron-Super-49B-v1.5/vllm_api_cookbook.ipynb):
+    # `/no_think` in the system prompt, --tool-call-parser llama3_json, --max-model-len 65536.
+    "llama-nemotron-super-49b": (ReasoningSwitch.THINK_LINE, "llama3_json", 65536),
+    # Model card: "detailed thinking on/off" as the system prompt; NVIDIA's cookbook (usage-cookbook/
+    # Llama-3.1-Nemotron-Nano-8B-v1): toolCallParser llama3_json; config.json max_position_embeddings 131072.
+    "llama-nemotron-nano-8b": (ReasoningSwitch.DETAILED_THINKING, "llama3_json", 131072),
+    # Model card: no reasoning mode, `<toolcall>` replies no vLLM parser reads; config.json 4096.
+    "nemotron-mini-4b": (ReasoningSwitch.NONE, None, 4096),
+    # Model card: /think, /no_think; its <TOOLCALL> format (engine_patches' nemotron_json); config.json 131072.
+    "nemotron-nano-9b-v2": (ReasoningSwitch.THINK_LINE, "nemotron_json", 131072),
+    # vLLM recipe and model card: enable_thinking, qwen3_coder, 262144.
+    "nemotron-3-nano": (ReasoningSwitch.ENABLE_THINKING, "qwen3_coder", 262144),
+    # vLLM recipe (NVIDIA-Nemotron-3-Nano-4B-BF16.yaml): qwen3_coder, context_length 262144; enable_thinking
+    # (default true) in NVIDIA's listing.
+    "nemotron-3-nano-4b": (ReasoningSwitch.ENABLE_THINKING, "qwen3_coder", 262144),
+    # Super model card: enable_thinking on/off; NVIDIA's cookbook: qwen3_coder; config.json 262144.
+    "nemotron-3-super": (ReasoningSwitch.ENABLE_THINKING, "qwen3_coder", 262144),
+    # NVIDIA's Lightning cookbook: enable_thinking, qwen3_coder, BF16 validated at 262144.
+    "nemotron-3.5-lightning": (ReasoningSwitch.ENABLE_THINKING, "qwen3_coder", 262144),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVENTIONS))
+def test_each_presets_conventions_match_their_sources(name: str) -> None:
+    switch, parser, length = CONVENTIONS[name]
+    preset = select_preset(load_presets(), name)
+    argv = argv_for(name, "balanced")
+    assert preset.reasoning is switch
+    assert flag(argv, "tool-call-parser") == parser
+    assert (flag(argv, "enable-auto-tool-choice") == "") is (parser is not None)
+    assert flag(argv, "max-model-len") == str(length)
+
+
+@pytest.mark.parametrize(
+    ("name", "model", "gpus", "memory"),
+    [
+        ("nemotron-3-super", "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16", 4, 298),
+        ("nemotron-3-super-fp8", "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-FP8", 2, 149),
+        ("nemotron-3-super-nvfp4", "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-NVFP4", 1, 75),
+    ],
+)
+def test_nemotron_3_super_checkpoints_follow_the_recipe(name: str, model: str, gpus: int, memory: int) -> None:
+    preset = select_preset(load_presets(), name)
+    argv = argv_for(name, "balanced")
+    assert preset.model == model and preset.min_vllm == "0.17.1"
+    assert flag(argv, "reasoning-parser") == "nemotron_v3" and flag(argv, "tool-call-parser") == "qwen3_coder"
+    assert flag(argv, "kv-cache-dtype") == "fp8" and flag(argv, "mamba-ssm-cache-dtype") == "float32"
+    assert flag(argv, "async-scheduling") == ""
+    assert flag(argv, "speculative-config") is None  # MTP is opt-in
+    assert (preset.needs.count, preset.needs.memory_gb) == (gpus, memory)
+    assert preset.needs.compute_capability == ((10, 0) if name.endswith("nvfp4") else None)
+    assert "--trust-remote-code" not in argv
+
+
+@pytest.mark.parametrize("base", ["nemotron-3-super", "nemotron-3-super-fp8", "nemotron-3-super-nvfp4"])
+def test_mtp_is_an_opt_in_preset_with_the_method_vllm_names(base: str) -> None:
+    argv = argv_for(f"{base}-mtp", "balanced")
+    assert json.loads(flag(argv, "speculative-config") or "") == {"method": "mtp", "num_speculative_tokens": 3}
+    assert select_preset(load_presets(), f"{base}-mtp").needs == select_preset(load_presets(), base).needs
+    assert flag(argv, "async-scheduling") == ""  # vLLM keeps async scheduling with MTP
+
+
+@pytest.mark.parametrize(
+    ("name", "version"),
+    [
+        ("nemotron-3-nano-4b", "0.11.2"),
+        ("nemotron-3.5-lightning", "0.27.1"),
+        ("nemotron-3.5-lightning-nvfp4", "0.27.1"),
+    ],
+)
+def test_new_nano_and_lightning_presets_name_their_minimum_vllm(name: str, version: str) -> None:
+    preset = select_preset(load_presets(), name)
+    assert preset.min_vllm == version and preset.needs.count == 1
+    assert flag(argv_for(name, "balanced"), "reasoning-parser") == "nemotron_v3"
+
+
+def _with_flags(monkeypatch: pytest.MonkeyPatch, *extra: str) -> None:
+    base = {"--model", "--host", "--port", "--max-model-len", "--served-model-name", "--gpu-memory-utilization"}
+    base |= {"--reasoning-parser", "--enable-auto-tool-choice", "--tool-call-parser", "--kv-cache-dtype"}
+    base |= {"--mamba-ssm-cache-dtype"}
+    monkeypatch.setattr(launch, "installed_vllm", lambda python: ("vllm-0.0", LAUNCHER))
+    monkeypatch.setattr(launch, "accepted_flags", lambda *a: frozenset(base | set(extra)))
+
+
+@pytest.mark.parametrize(("has_it", "expected"), [(True, ""), (False, None)])
+def test_async_scheduling_is_passed_only_where_the_installed_vllm_has_it(
+    monkeypatch: pytest.MonkeyPatch, has_it: bool, expected: str | None
+) -> None:
+    _with_flags(monkeypatch, *(["--async-scheduling"] if has_it else []))
+    settings = Settings(engine={"model": "/m", "preset": "nemotron-3-super-fp8", "profile": "balanced"})
+    _, argv, _ = launch.prepare(settings)
+    assert flag(argv, "async-scheduling") == expected
+    assert flag(argv, "kv-cache-dtype") == "fp8"
+
+
+def test_print_argv_without_vllm_prints_it_and_names_the_unchecked_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator preparing a GPU host's configuration on a machine without vLLM still gets the argv."""
+    monkeypatch.setenv("NEMOTRON_ENGINE__PYTHON", str(tmp_path / "no-python"))  # an interpreter without vLLM
+    monkeypatch.setenv("NEMOTRON_ENGINE__STATE_DIR", str(tmp_path / "state"))
+    argv = ["engine", "--preset", "nemotron-3-super-fp8-mtp", "--model", "/m", "--print-argv"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    command = shlex.split(captured.out.splitlines()[0])
+    assert command[:2] == ["vllm", "serve"]
+    assert flag(command, "tool-call-parser") == "qwen3_coder" and flag(command, "async-scheduling") == ""
+    assert "vLLM is not installed" in captured.err and "needs vLLM >= 0.17.1" in captured.err
+    unchecked = captured.err.rsplit("--help=all: ", 1)[1]
+    assert "--speculative-config" in unchecked and "--async-scheduling" in unchecked
+    assert "--model" not in unchecked  # the gateway's own settings: every vLLM has them
+    assert not (tmp_path / "state").exists()
+
+
+def test_engine_presets_lists_every_presets_gpu_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["engine", "presets"]) == 0
+    out = capsys.readouterr().out
+    for name, preset in load_presets().items():
+        block = out.split(f"{name}\n", 1)[1].split("\n  needs: ", 1)[1]
+        assert block.startswith(preset.needs.describe())
+    assert "needs: 2 GPUs, 149 GB together; vLLM 0.17.1+" in out
+    assert "needs: 1 GPU of compute capability 10.0+ (Blackwell), 75 GB; vLLM 0.17.1+" in out
