@@ -149,12 +149,13 @@ def test_admission_refuses_lowest_priority_first_exactly_across_two_workers(tmp_
 def test_reserved_slots_let_the_most_urgent_tier_start_at_once_while_lower_tiers_are_refused(
     tmp_path: Path, redis_url: str
 ) -> None:
-    # Four sequence slots (the supervisor records the launched --max-num-seqs), two kept for priority 0: the batch
-    # tier may hold at most two. Without the reserve four batch requests would run, two wait, and the urgent ones
-    # would wait ~4 s behind them (vLLM hands a slot to a waiting request only when a running one ends).
-    env = {"NEMOTRON_WORKERS": "2", "NEMOTRON_ADMISSION__RESERVED_SEQS": "2"}
-    with stack(tmp_path, redis_url, ["--max-num-seqs", "4"], **env) as (gateway_url, _engine_url):
-        assert status(tmp_path / "state")["sequence_slots"] == 4
+    # Five sequence slots (the supervisor records the launched --max-num-seqs), three kept for priority 0: the
+    # batch tier may hold at most two, the two urgent requests take two more, and one stays free for the
+    # supervisor's liveness probe. Without the reserve five batch requests would run, one wait, and the urgent
+    # ones would wait ~4 s behind them (vLLM hands a slot to a waiting request only when a running one ends).
+    env = {"NEMOTRON_WORKERS": "2", "NEMOTRON_ADMISSION__RESERVED_SEQS": "3"}
+    with stack(tmp_path, redis_url, ["--max-num-seqs", "5"], **env) as (gateway_url, _engine_url):
+        assert status(tmp_path / "state")["sequence_slots"] == 5
         interactive, batch = key(redis_url, "--priority", "0"), key(redis_url, "--priority", "3")
 
         async def loads() -> tuple[list[httpx.Response], list[float]]:
