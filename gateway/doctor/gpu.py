@@ -2,7 +2,7 @@
 
 Each `check_*` takes plain values (tests feed them); the `read_*` functions measure this machine through NVML
 (nvidia-ml-py), sysfs and installed files, and never import torch, vllm or flash-attn (that takes seconds).
-Imports `check`, `rows`, `fatbin` and `nvml` of ours.
+Imports `check`, `rows`, `fatbin` and `nvml` of ours, and the presets' `GpuNeeds`.
 """
 
 from __future__ import annotations
