@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from gateway import __version__
+from gateway.engine.flags import add_engine_arguments, engine_overrides
 from gateway.multiproc import shared_metrics
 from gateway.settings import Settings, unknown_variables
-from gateway.supervisor.flags import add_engine_arguments, engine_overrides
 from gateway.workers import usable_cores
 
 logger = logging.getLogger("gateway")

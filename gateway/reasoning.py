@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from gateway.engine.presets import ReasoningSwitch, reasoning_switch
+from gateway.engine.profiles import ProfileError
 from gateway.errors import InvalidRequestError
 from gateway.settings import EngineSettings
-from gateway.supervisor.presets import ReasoningSwitch, reasoning_switch
-from gateway.supervisor.profiles import ProfileError
 
 __all__ = ["ReasoningSwitch", "apply_reasoning", "apply_responses_reasoning", "served_switch"]
 

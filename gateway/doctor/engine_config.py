@@ -20,8 +20,8 @@ from typing import Any
 
 from gateway.doctor import rows
 from gateway.doctor.check import Check, Status, failed, passed, skipped
-from gateway.supervisor.launch import cached, installed_vllm
-from gateway.supervisor.profiles import ProfileError
+from gateway.engine.launch import cached, installed_vllm
+from gateway.engine.profiles import ProfileError
 
 NOT_INSTALLED = "vLLM not installed here: checked by the gateway's own rules"
 # Importing vLLM's config code imports torch: ~15-25 s on a CPU machine, hence the cache.

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gateway.engine.profiles import Profile, build_argv
 from gateway.settings import EngineSettings
-from gateway.supervisor.profiles import Profile, build_argv
 
 # build_argv refuses an argv without a model; the doctor still checks the rest of an unconfigured machine.
 _NO_MODEL = "\0no-model"

@@ -50,9 +50,9 @@ from gateway.doctor.host import (
 from gateway.doctor.model import ModelFlags, check_model_dir, resolve_model
 from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
 from gateway.doctor.running import RunningEngine, running_engine
+from gateway.engine.launch import engine_python
+from gateway.engine.profiles import Profile, build_argv
 from gateway.settings import Settings, masked_redis_url
-from gateway.supervisor.launch import engine_python
-from gateway.supervisor.profiles import Profile, build_argv
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,14 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from gateway.doctor import doctor_config, fatal_failures, render_table, run_checks
+from gateway.engine.flags import add_engine_arguments, engine_overrides
+from gateway.engine.launch import ENGINE_KEY_VARIABLE, prepare
+from gateway.engine.presets import load_presets
+from gateway.engine.profiles import Profile, ProfileError, load_profiles
+from gateway.engine.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import Settings, unknown_variables
-from gateway.supervisor.flags import add_engine_arguments, engine_overrides
-from gateway.supervisor.launch import ENGINE_KEY_VARIABLE, prepare
-from gateway.supervisor.presets import load_presets
 from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.profiles import Profile, ProfileError, load_profiles
-from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
 from gateway.supervisor.supervisor import EngineSupervisor
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from gateway.engine.state import RestartCause
 from gateway.settings import EngineSettings
-from gateway.supervisor.state import RestartCause
 
 logger = logging.getLogger(__name__)
 

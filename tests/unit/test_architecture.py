@@ -23,10 +23,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gateway"
 
 LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/requestlog.py")
-OPTIONAL_LEAVES = ("gateway/supervisor/state.py",)
-SERVICES = ("gateway/auth/", "gateway/ratelimit/", "gateway/relay/", "gateway/supervisor/", "gateway/doctor/")
+OPTIONAL_LEAVES = ("gateway/engine/state.py",)
+SERVICES = (
+    "gateway/auth/",
+    "gateway/ratelimit/",
+    "gateway/relay/",
+    "gateway/engine/",
+    "gateway/supervisor/",
+    "gateway/doctor/",
+)
 WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.deps", "gateway.app")
-ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/supervisor/", "gateway/doctor/")
+ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/engine/", "gateway/supervisor/", "gateway/doctor/")
 # The doctor checks what the supervisor would start: settings, errors, its own modules and the supervisor's
 # data about the engine (profiles and the argv builder, the status file); nothing of the request path but the
 # one Redis client factory (its Redis row connects as the gateway does: plain or Sentinel).
@@ -35,10 +42,10 @@ DOCTOR_MAY_IMPORT = (
     "gateway.redis_client",
     "gateway.errors",
     "gateway.doctor",
-    "gateway.supervisor.profiles",
-    "gateway.supervisor.presets",
-    "gateway.supervisor.launch",
-    "gateway.supervisor.state",
+    "gateway.engine.profiles",
+    "gateway.engine.presets",
+    "gateway.engine.launch",
+    "gateway.engine.state",
 )
 DOCTOR_NEVER_IMPORTS = ("aiohttp", "fastapi", "starlette", "uvicorn", "gateway.relay", "gateway.app")
 # Top-level packages of the `cpu`/`gpu` extras, which the test environment need not have.

@@ -12,8 +12,8 @@ import pytest
 from gateway.doctor.check import Check, Status
 from gateway.doctor.model import ModelFlags, check_model_dir
 from gateway.doctor.runner import doctor_config, run_checks
+from gateway.engine.presets import engine_profile
 from gateway.settings import Settings
-from gateway.supervisor.presets import engine_profile
 from tests.procs import free_port
 from tests.unit.doctor.samples import CONFIG, TOKENIZER_CONFIG, by_name, write_model
 

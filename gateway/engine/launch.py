@@ -18,9 +18,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from gateway.engine.presets import engine_profile
+from gateway.engine.profiles import Profile, ProfileError, build_argv, unknown_flags
 from gateway.settings import Settings
-from gateway.supervisor.presets import engine_profile
-from gateway.supervisor.profiles import Profile, ProfileError, build_argv, unknown_flags
 
 logger = logging.getLogger(__name__)
 
