@@ -259,7 +259,7 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         # No GPU memory share among the flags: a CPU profile (cpu-dev), no GPU is needed.
         cpu=flags.gpu_memory_utilization is None,
         # A custom launcher does not start the installed vLLM's server: there is no verdict of its to ask for.
-        engine_python=None if settings.engine.launcher else engine_python(settings),
+        engine_python=None if settings.engine.launcher else engine_python(settings.engine),
         engine_args=tuple(build_argv([], settings.engine, profile)) if settings.engine.model else (),
         engine_env=dict(profile.env),
         verdict_cache=settings.engine.state_dir,
