@@ -1,4 +1,4 @@
-"""The client's reasoning switch, translated into the served model's convention (issue 8).
+"""The client's reasoning switch, translated into the served model's convention.
 
 Clients send OpenAI's `reasoning_effort` ("none"/"minimal" off, anything else on) or `"reasoning": {"enabled":
 bool}` (`{"effort": ...}` read like `reasoning_effort`); the model preset says how the served model hears it:

@@ -1,4 +1,4 @@
-"""Several vLLM API-server processes (issue 11): the throughput profile asks for them, and only `vllm serve`
+"""Several vLLM API-server processes: the throughput profile asks for them, and only `vllm serve`
 starts them, so such an argv is launched through it; the api_server module (which runs one) otherwise."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The doctor's model checks name the fix the model preset applies, and fail a reasoning model launched without its
-reasoning parser (issue 8); the flags checked are the preset's combined with the profile."""
+reasoning parser; the flags checked are the preset's combined with the profile."""
 
 from __future__ import annotations
 
