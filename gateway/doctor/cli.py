@@ -1,7 +1,7 @@
 """The `doctor` verb: its flags, the configuration it checks, and the report on stdout (exit 1 on any failure).
 
 The CLI (`gateway/cli.py`) wires `add_doctor_parser` / `run_doctor`; `python -m gateway.doctor` runs it alone.
-Imports settings, the supervisor's profiles and the doctor's own modules; never the HTTP app.
+Imports settings, the engine package's profiles and the doctor's own modules; never the HTTP app.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Runs every preflight check on this machine for one engine configuration (`DoctorConfig`).
 
 The supervisor calls `run_checks` before it spawns the engine; `doctor_config` says what the engine would be
-started with (the flags of the argv the supervisor builds). Imports settings, the supervisor's profiles and
-the doctor's own modules; never the HTTP app.
+started with (the flags of the argv the supervisor builds). Imports settings, the engine package's profiles and
+launcher, and the doctor's own modules; never the HTTP app.
 """
 
 from __future__ import annotations
