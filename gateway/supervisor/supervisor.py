@@ -23,12 +23,8 @@ from typing import Any
 
 import httpx
 
-from gateway.metrics import SupervisorMetrics
-from gateway.settings import EngineSettings
-from gateway.supervisor.launch import ENGINE_KEY_VARIABLE
-from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
-from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.state import (
+from gateway.engine.launch import ENGINE_KEY_VARIABLE
+from gateway.engine.state import (
     STATUS_FILE,
     EngineState,
     EngineStatus,
@@ -37,6 +33,10 @@ from gateway.supervisor.state import (
     scheduling_policy,
     sequence_slots,
 )
+from gateway.metrics import SupervisorMetrics
+from gateway.settings import EngineSettings
+from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
+from gateway.supervisor.process import GuardedProcess
 
 logger = logging.getLogger(__name__)
 
