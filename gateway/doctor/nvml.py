@@ -6,6 +6,8 @@ nvidia-smi parsing. Imports nothing of ours.
 
 from __future__ import annotations
 
+import enum
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,29 @@ class GpuDevice:
     compute_capability: tuple[int, int]
     pcie: PcieLink
     processes: tuple[GpuProcess, ...] = ()
+    minor: int | None = None  # N of /dev/nvidiaN, the node a process opens to use this GPU
+
+
+class Topology(enum.IntEnum):
+    """How two GPUs are connected, nearest first (NVML's nvmlGpuTopologyLevel_t values)."""
+
+    INTERNAL = 0  # one board (a dual-GPU card)
+    SINGLE = 10  # one PCIe switch
+    MULTIPLE = 20  # several PCIe switches, no host bridge
+    HOSTBRIDGE = 30  # one host bridge
+    NODE = 40  # host bridges of one NUMA node
+    SYSTEM = 50  # across NUMA nodes (the CPUs' interconnect)
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """Two GPUs (NVML indices) and what joins them: NVLink, peer-to-peer reads over PCIe, the PCIe path."""
+
+    first: int
+    second: int
+    nvlink: bool
+    peer_access: bool  # CUDA peer-to-peer reads work (over NVLink or PCIe)
+    topology: Topology | None  # None: NVML did not say
 
 
 @dataclass(frozen=True)
@@ -54,6 +79,12 @@ class GpuReadings:
     cuda_driver: tuple[int, int] | None = None  # the newest CUDA the driver supports
     devices: tuple[GpuDevice, ...] = ()
     error: str | None = None  # NVML unusable although the machine has NVIDIA device nodes
+    links: tuple[GpuLink, ...] = ()  # every pair of devices, (0, 1), (0, 2), ... (1, 2), ...
+
+    def link(self, first: int, second: int) -> GpuLink | None:
+        """The link between the GPUs with these NVML indices, in either order."""
+        low, high = sorted((first, second))
+        return next((k for k in self.links if (k.first, k.second) == (low, high)), None)
 
 
 def device_nodes(dev: Path = Path("/dev")) -> dict[str, bool]:
@@ -63,6 +94,20 @@ def device_nodes(dev: Path = Path("/dev")) -> dict[str, bool]:
     except OSError:
         return {}
     return {str(p): os.access(p, os.R_OK | os.W_OK) for p in paths if not p.is_dir()}
+
+
+def open_error(path: Path) -> str | None:
+    """None when this process can open the device node for reading and writing, else why not.
+
+    Opened, not `os.access`ed: a devices cgroup (a container's GPU isolation) refuses the open with EPERM while
+    the mode bits, which os.access reads, allow it. No GPU context is made: opening the node only reaches the driver.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    return None
 
 
 def _text(value: Any) -> str:
@@ -142,7 +187,33 @@ def _device(index: int) -> GpuDevice:
         compute_capability=(int(major), int(minor)),
         pcie=_pcie(handle),
         processes=_processes(handle),
+        minor=_optional_int(pynvml.nvmlDeviceGetMinorNumber, handle),
     )
+
+
+# nvmlGpuP2PCapsIndex_t: NVML_P2P_CAPS_INDEX_READ is 0 (nvidia-ml-py 13 defines it as the tuple `(0,)`, a stray
+# comma, so the literal is used), NVML_P2P_CAPS_INDEX_NVLINK is 2; NVML_P2P_STATUS_OK is 0.
+_P2P_READ, _P2P_NVLINK, _P2P_OK = 0, 2, 0
+
+
+def _p2p(first: Any, second: Any, index: int) -> bool:
+    try:
+        return int(pynvml.nvmlDeviceGetP2PStatus(first, second, index)) == _P2P_OK
+    except pynvml.NVMLError:
+        return False
+
+
+def _link(first: int, second: int) -> GpuLink:
+    a, b = pynvml.nvmlDeviceGetHandleByIndex(first), pynvml.nvmlDeviceGetHandleByIndex(second)
+    try:
+        topology: Topology | None = Topology(int(pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b)))
+    except (pynvml.NVMLError, ValueError):
+        topology = None
+    return GpuLink(first, second, _p2p(a, b, _P2P_NVLINK), _p2p(a, b, _P2P_READ), topology)
+
+
+def _links(count: int) -> tuple[GpuLink, ...]:
+    return tuple(_link(first, second) for first, second in itertools.combinations(range(count), 2))
 
 
 def read_gpus() -> GpuReadings:
@@ -156,10 +227,12 @@ def read_gpus() -> GpuReadings:
         return GpuReadings(error=f"NVML init failed: {exc}" if has_nodes else None)
     try:
         cuda = int(pynvml.nvmlSystemGetCudaDriverVersion())
+        count = int(pynvml.nvmlDeviceGetCount())
         return GpuReadings(
             driver_version=_text(pynvml.nvmlSystemGetDriverVersion()),
             cuda_driver=(cuda // 1000, cuda % 1000 // 10),
-            devices=tuple(_device(i) for i in range(int(pynvml.nvmlDeviceGetCount()))),
+            devices=tuple(_device(i) for i in range(count)),
+            links=_links(count),
         )
     except pynvml.NVMLError as exc:
         return GpuReadings(error=f"NVML: {exc}")

@@ -48,7 +48,18 @@ from gateway.doctor.host import (
     read_open_files,
 )
 from gateway.doctor.model import ModelFlags, check_model_dir, resolve_model
-from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
+from gateway.doctor.multigpu import (
+    Parallelism,
+    check_gpu_access,
+    check_nccl_environment,
+    check_other_processes,
+    check_parallel_gpus,
+    check_peer_links,
+    network_interfaces,
+    node_of,
+    process_name,
+)
+from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, open_error, read_gpus
 from gateway.doctor.running import RunningEngine, running_engine
 from gateway.settings import Settings, masked_redis_url
 from gateway.supervisor.launch import engine_python
@@ -84,6 +95,9 @@ class DoctorConfig:
     engine_args: tuple[str, ...] = ()
     engine_env: Mapping[str, str] = field(default_factory=dict)
     verdict_cache: Path | None = None  # where vLLM's verdicts are kept (the state dir); None: not kept
+    parallel: Parallelism = field(
+        default_factory=Parallelism
+    )  # --tensor-parallel-size, --data-parallel-size, ... of the argv
 
 
 def hub_cache(env: Mapping[str, str]) -> Path:
@@ -118,11 +132,13 @@ def _gpu_checks(
     nodes = check_device_nodes(device_nodes(), bool(readings.devices))
     if not readings.devices or config.cpu:
         why = "skipped: CPU profile" if readings.devices else NO_GPU
-        between = (r for r in rows.GPU_ROWS if r not in (rows.GPU_PRESENT, rows.DEVICE_NODES))
-        return [present, *(skipped(row, why) for row in between), nodes]
+        given = {rows.GPU_PRESENT.name: present, rows.DEVICE_NODES.name: nodes}
+        return [given.get(row.name) or skipped(row, why) for row in rows.GPU_ROWS]
     torch = read_torch_build()
     flash = read_flash_attn_build(flash_attn_libraries())
-    visible = _visible(readings.devices, env.get("CUDA_VISIBLE_DEVICES"))
+    # The engine's own environment decides which GPUs it sees (NEMOTRON_ENGINE__GPUS reaches it there).
+    engine_env = {**env, **config.engine_env}
+    visible = _visible(readings.devices, engine_env.get("CUDA_VISIBLE_DEVICES"))
     labels = [f"GPU {d.index}" for d in visible]
     driver = check_driver_vs_torch(
         readings.cuda_driver,
@@ -143,7 +159,7 @@ def _gpu_checks(
             labels,
         ),
         check_cuda_visible_devices(
-            env.get("CUDA_VISIBLE_DEVICES"), len(readings.devices), [d.uuid for d in readings.devices]
+            engine_env.get("CUDA_VISIBLE_DEVICES"), len(readings.devices), [d.uuid for d in readings.devices]
         ),
         worst(
             rows.PCIE,
@@ -151,6 +167,29 @@ def _gpu_checks(
             labels,
         ),
         nodes,
+        *_multi_gpu_checks(config, readings, visible, engine_env, engine),
+    ]
+
+
+def _multi_gpu_checks(
+    config: DoctorConfig,
+    readings: GpuReadings,
+    visible: Sequence[GpuDevice],
+    engine_env: Mapping[str, str],
+    engine: RunningEngine | None,
+) -> list[Check]:
+    """The rows of an engine on several GPUs, for the GPUs it will use (the first `parallel.gpus` it sees)."""
+    used = list(visible[: max(config.parallel.gpus, 1)])
+    nodes = {d.index: node_of(d) for d in used}
+    errors = {index: open_error(node) for index, node in nodes.items() if node is not None}
+    ours = engine.pids if engine is not None else frozenset()
+    others = {p.pid for d in used for p in d.processes if p.pid not in ours}
+    return [
+        check_parallel_gpus(config.parallel, visible, len(readings.devices)),
+        check_gpu_access(used, errors),
+        check_peer_links(config.parallel, used, readings),
+        check_nccl_environment(engine_env, len(used), network_interfaces()),
+        check_other_processes(used, ours, {pid: process_name(pid) for pid in others}),
     ]
 
 
@@ -263,4 +302,10 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         engine_args=tuple(build_argv([], settings.engine, profile)) if settings.engine.model else (),
         engine_env=dict(profile.env),
         verdict_cache=settings.engine.state_dir,
+        parallel=Parallelism(
+            flags.tensor_parallel_size,
+            flags.pipeline_parallel_size,
+            flags.data_parallel_size,
+            flags.data_parallel_size_local,
+        ),
     )
