@@ -9,9 +9,10 @@ from __future__ import annotations
 import enum
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 try:
     import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type information
@@ -85,6 +86,31 @@ class GpuReadings:
         """The link between the GPUs with these NVML indices, in either order."""
         low, high = sorted((first, second))
         return next((k for k in self.links if (k.first, k.second) == (low, high)), None)
+
+
+class _Numbered(Protocol):
+    @property
+    def index(self) -> int: ...
+    @property
+    def uuid(self) -> str: ...
+
+
+_Gpu = TypeVar("_Gpu", bound=_Numbered)
+
+
+def visible(gpus: Sequence[_Gpu], value: str | None) -> list[_Gpu]:
+    """The GPUs a CUDA_VISIBLE_DEVICES value names, in its order (NVML itself ignores the variable); all of them
+    when it is unset or names none. Indices are NVML's, which CUDA shares under CUDA_DEVICE_ORDER=PCI_BUS_ID (the
+    supervisor sets it); a UUID may be given by a unique prefix. CUDA stops at the first entry that names no GPU."""
+    if value is None:
+        return list(gpus)
+    chosen: list[_Gpu] = []
+    for token in (t.strip() for t in value.split(",")):
+        match = [g for g in gpus if token and ((token.isdigit() and g.index == int(token)) or g.uuid.startswith(token))]
+        if len(match) != 1:
+            break
+        chosen.append(match[0])
+    return chosen or list(gpus)
 
 
 def device_nodes(dev: Path = Path("/dev")) -> dict[str, bool]:
@@ -256,21 +282,35 @@ class GpuActivity:
     pcie_rx: float | None  # bytes/s, host to device
 
 
-class ActivityReader:
-    """Reads every GPU's activity; NVML is initialised on the first read and kept (an init can take a second
-    on a GPU without persistence mode), shut down by `close`. No GPU or no NVML: an empty tuple, every time."""
+@dataclass(frozen=True)
+class _Named:
+    index: int
+    uuid: str
 
-    def __init__(self) -> None:
+
+class ActivityReader:
+    """Reads the activity of every GPU, or of those `gpus` names (a CUDA_VISIBLE_DEVICES value: the engine's); NVML
+    is initialised on the first read and kept (an init can take a second on a GPU without persistence mode), shut
+    down by `close`. No GPU or no NVML: an empty tuple, every time."""
+
+    def __init__(self, gpus: str | None = None) -> None:
         self._ready: bool | None = None  # None: not tried yet; False: no NVML here
+        self._gpus = gpus
 
     def read(self) -> tuple[GpuActivity, ...]:
-        """Every GPU's activity now (blocking: a few NVML calls per GPU; call it off the event loop)."""
+        """The GPUs' activity now (blocking: a few NVML calls per GPU; call it off the event loop)."""
         if self._ready is None:
             self._ready = _init()
         if not self._ready:
             return ()
         try:
-            return tuple(_activity(i) for i in range(int(pynvml.nvmlDeviceGetCount())))
+            indices: Sequence[int] = range(int(pynvml.nvmlDeviceGetCount()))
+            if self._gpus is not None:
+                named = [
+                    _Named(i, _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))) for i in indices
+                ]
+                indices = [gpu.index for gpu in visible(named, self._gpus)]
+            return tuple(_activity(i) for i in indices)
         except pynvml.NVMLError:
             return ()
 

@@ -59,7 +59,7 @@ from gateway.doctor.multigpu import (
     node_of,
     process_name,
 )
-from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, open_error, read_gpus
+from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, open_error, read_gpus, visible
 from gateway.doctor.running import RunningEngine, running_engine
 from gateway.settings import Settings, masked_redis_url
 from gateway.supervisor.launch import engine_python
@@ -110,21 +110,6 @@ def hub_cache(env: Mapping[str, str]) -> Path:
     return base / "huggingface" / "hub"
 
 
-def _visible(devices: Sequence[GpuDevice], value: str | None) -> list[GpuDevice]:
-    """The GPUs CUDA will use (NVML ignores CUDA_VISIBLE_DEVICES); all of them if it names none."""
-    if value is None:
-        return list(devices)
-    chosen: list[GpuDevice] = []
-    for token in (t.strip() for t in value.split(",")):
-        match = [
-            d for d in devices if token and ((token.isdigit() and d.index == int(token)) or d.uuid.startswith(token))
-        ]
-        if len(match) != 1:
-            break
-        chosen.append(match[0])
-    return chosen or list(devices)
-
-
 def _gpu_checks(
     config: DoctorConfig, readings: GpuReadings, env: Mapping[str, str], engine: RunningEngine | None
 ) -> list[Check]:
@@ -138,8 +123,8 @@ def _gpu_checks(
     flash = read_flash_attn_build(flash_attn_libraries())
     # The engine's own environment decides which GPUs it sees (NEMOTRON_ENGINE__GPUS reaches it there).
     engine_env = {**env, **config.engine_env}
-    visible = _visible(readings.devices, engine_env.get("CUDA_VISIBLE_DEVICES"))
-    labels = [f"GPU {d.index}" for d in visible]
+    engine_gpus = visible(readings.devices, engine_env.get("CUDA_VISIBLE_DEVICES"))
+    labels = [f"GPU {d.index}" for d in engine_gpus]
     driver = check_driver_vs_torch(
         readings.cuda_driver,
         torch.cuda if torch else None,
@@ -149,12 +134,12 @@ def _gpu_checks(
     return [
         present,
         driver,
-        worst(rows.FLASH_ATTN, [check_flash_attn(d.compute_capability, flash) for d in visible], labels),
+        worst(rows.FLASH_ATTN, [check_flash_attn(d.compute_capability, flash) for d in engine_gpus], labels),
         worst(
             rows.GPU_MEMORY,
             [
                 check_gpu_memory(d.memory_free, d.memory_total, config.gpu_memory_utilization, _held(d, engine))
-                for d in visible
+                for d in engine_gpus
             ],
             labels,
         ),
@@ -163,29 +148,29 @@ def _gpu_checks(
         ),
         worst(
             rows.PCIE,
-            [check_pcie(d.pcie.gen, d.pcie.width, d.pcie.max_gen, d.pcie.max_width) for d in visible],
+            [check_pcie(d.pcie.gen, d.pcie.width, d.pcie.max_gen, d.pcie.max_width) for d in engine_gpus],
             labels,
         ),
         nodes,
-        *_multi_gpu_checks(config, readings, visible, engine_env, engine),
+        *_multi_gpu_checks(config, readings, engine_gpus, engine_env, engine),
     ]
 
 
 def _multi_gpu_checks(
     config: DoctorConfig,
     readings: GpuReadings,
-    visible: Sequence[GpuDevice],
+    engine_gpus: Sequence[GpuDevice],
     engine_env: Mapping[str, str],
     engine: RunningEngine | None,
 ) -> list[Check]:
     """The rows of an engine on several GPUs, for the GPUs it will use (the first `parallel.gpus` it sees)."""
-    used = list(visible[: max(config.parallel.gpus, 1)])
+    used = list(engine_gpus[: max(config.parallel.gpus, 1)])
     nodes = {d.index: node_of(d) for d in used}
     errors = {index: open_error(node) for index, node in nodes.items() if node is not None}
     ours = engine.pids if engine is not None else frozenset()
     others = {p.pid for d in used for p in d.processes if p.pid not in ours}
     return [
-        check_parallel_gpus(config.parallel, visible, len(readings.devices)),
+        check_parallel_gpus(config.parallel, engine_gpus, len(readings.devices)),
         check_gpu_access(used, errors),
         check_peer_links(config.parallel, used, readings),
         check_nccl_environment(engine_env, len(used), network_interfaces()),
