@@ -27,7 +27,7 @@ from gateway.metrics import SupervisorMetrics
 from gateway.settings import EngineSettings
 from gateway.supervisor.launch import ENGINE_KEY_VARIABLE
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
-from gateway.supervisor.process import GuardedProcess
+from gateway.supervisor.process import GuardedProcess, MemberWatch
 from gateway.supervisor.state import (
     STATUS_FILE,
     EngineState,
@@ -183,24 +183,41 @@ class EngineSupervisor:
         stop: asyncio.Future[Any] = asyncio.ensure_future(self.should_exit.wait())
         check: asyncio.Future[Any] | None = None
         self.process.sample_shared_memory()
+        members = self._watch_members()
+        lost: asyncio.Future[int] = asyncio.ensure_future(members.first_exit())
         sample_at = time.monotonic() + _SHM_SAMPLE_EVERY
         try:
             while True:
                 done, _ = await asyncio.wait(
-                    (exited, stop), timeout=self.settings.health_interval, return_when=asyncio.FIRST_COMPLETED
+                    (exited, stop, lost), timeout=self.settings.health_interval, return_when=asyncio.FIRST_COMPLETED
                 )
                 if not done and time.monotonic() >= sample_at:
                     self.process.sample_shared_memory()
                     sample_at = time.monotonic() + _SHM_SAMPLE_EVERY
+                    if set(self._member_pids()) != set(members.pids):
+                        lost.cancel()
+                        members.close()
+                        members = self._watch_members()
+                        lost = asyncio.ensure_future(members.first_exit())
                 # The check races the exit and the stop: a probe waiting on a frozen engine must not delay either.
                 check = asyncio.ensure_future(liveness.check()) if not done else None
                 if check is not None:
-                    done, _ = await asyncio.wait((exited, stop, check), return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait((exited, stop, check, lost), return_when=asyncio.FIRST_COMPLETED)
                 if stop in done:
                     return None
-                if exited in done:
+                if lost in done and not exited.done():
+                    # vLLM itself ended (its reaper reports the code once the rest of the group is down, within the
+                    # grace), or it may notice a lost helper and exit by itself: either way its exit code says more.
+                    vllm = lost.result() == self.process.command_pid
+                    await asyncio.wait((exited,), timeout=_EXIT_GRACE + (self.settings.stop_grace if vllm else 0))
+                if exited.done():
                     # Any exit we did not ask for is a crash: vLLM exits 0 when its engine core dies.
                     return self._ended(RestartCause.CRASH, "exited")
+                if lost in done:
+                    pid = lost.result()
+                    await self.process.kill()
+                    what = f"engine process {pid} ({members.names.get(pid, '?')}) exited; restarting the whole engine"
+                    return self._ended(RestartCause.CRASH, what)
                 assert check is not None
                 verdict: Verdict = check.result()
                 if verdict.problem is None:
@@ -220,9 +237,20 @@ class EngineSupervisor:
                 if verdict.failed or liveness.stalled_for > self.settings.stall_timeout / 2:
                     self._set_state(EngineState.UNHEALTHY, verdict.problem)
         finally:
-            for future in (stop, exited, check):
+            for future in (stop, exited, check, lost):
                 if future is not None and not future.done():
                     future.cancel()
+            members.close()
+
+    def _member_pids(self) -> list[int]:
+        """vLLM and every process it started (its reaper left out)."""
+        return self.process.members() if self.process is not None else []
+
+    def _watch_members(self) -> MemberWatch:
+        """A watch on the engine's processes now; `engine status` shows them."""
+        watch = MemberWatch(self._member_pids())
+        self.status.processes = watch.pids
+        return watch
 
     async def _probe(self, client: httpx.AsyncClient) -> str | None:
         try:
