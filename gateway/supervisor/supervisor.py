@@ -35,6 +35,7 @@ from gateway.supervisor.state import (
     RestartCause,
     RestartRecord,
     scheduling_policy,
+    sequence_slots,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class EngineSupervisor:
         self.env = dict(env)
         self.status = status
         self.status.scheduling_policy = scheduling_policy(argv)
+        self.status.sequence_slots = sequence_slots(argv)
         self.metrics = metrics
         self._echo = on_line or _echo
         self.should_exit = asyncio.Event()
