@@ -3,7 +3,7 @@ the links between them, NCCL's environment, and other processes on its GPUs.
 
 Each `check_*` takes plain values (tests feed them recorded NVML answers); the runner reads this machine. The
 GPUs are NVML's indices, which ignore CUDA_VISIBLE_DEVICES; the runner passes the ones the engine will use.
-Imports `check`, `rows` and `nvml` of ours.
+Imports `check`, `rows` and `nvml` of ours, and the supervisor's multicast defaults.
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from pathlib import Path
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, skipped, warned
 from gateway.doctor.nvml import GpuDevice, GpuLink, GpuReadings, Topology
+from gateway.supervisor.launch import MULTICAST_OFF
 
-# NVLink multicast (NVLS) in NCCL, PyTorch's symmetric memory and NVSHMEM: the engine gets these unless the
-# operator sets them. A fault in multicast setup can leave a host's GPUs, which other jobs may share, unusable
-# until the host is reset; tensor parallel on one host needs none of it.
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 _TRUE = frozenset(("1", "true", "yes", "on"))
 _SYS_NET = Path("/sys/class/net")
 _GPUS_FIX = "name the GPUs with NEMOTRON_ENGINE__GPUS (a CUDA_VISIBLE_DEVICES value, e.g. 0,1)"

@@ -62,7 +62,7 @@ from gateway.doctor.multigpu import (
 from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, open_error, read_gpus, visible
 from gateway.doctor.running import RunningEngine, running_engine
 from gateway.settings import Settings, masked_redis_url
-from gateway.supervisor.launch import engine_python
+from gateway.supervisor.launch import added_variables, engine_environment, engine_python
 from gateway.supervisor.profiles import Profile, build_argv
 
 
@@ -285,7 +285,8 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         # A custom launcher does not start the installed vLLM's server: there is no verdict of its to ask for.
         engine_python=None if settings.engine.launcher else engine_python(settings),
         engine_args=tuple(build_argv([], settings.engine, profile)) if settings.engine.model else (),
-        engine_env=dict(profile.env),
+        # What the supervisor adds to its own environment: the profile's variables, the GPUs, NCCL's defaults.
+        engine_env=added_variables(engine_environment(profile, gpus=settings.engine.gpus)),
         verdict_cache=settings.engine.state_dir,
         parallel=Parallelism(
             flags.tensor_parallel_size,

@@ -18,22 +18,27 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import httpx
 
+from gateway.doctor.check import gib
+from gateway.doctor.nvml import GpuReadings, read_gpus
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import EngineSettings
 from gateway.supervisor.launch import ENGINE_KEY_VARIABLE
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
 from gateway.supervisor.process import GuardedProcess, MemberWatch
 from gateway.supervisor.state import (
+    DATA_PARALLEL_FLAG,
     STATUS_FILE,
+    TENSOR_PARALLEL_FLAG,
     EngineState,
     EngineStatus,
     RestartCause,
     RestartRecord,
+    parallel_size,
     scheduling_policy,
     sequence_slots,
 )
@@ -49,6 +54,36 @@ _EXIT_GRACE = 1.0
 # it starts (sampled on every start-up poll and when ready) and keeps them. A sample reads all of /proc and the
 # engine's memory maps: a few ms that every liveness check (5 s) used to pay on an idle engine.
 _SHM_SAMPLE_EVERY = 30.0
+# Seconds the driver gets to free the GPU memory of an engine whose processes are all gone (a process the kernel
+# still holds, stuck in the driver, keeps its memory until it is reaped).
+_GPU_RELEASE = 10.0
+_GPU_RELEASE_POLL = 0.5
+
+
+def held_gpu_memory(readings: GpuReadings, pids: Collection[int]) -> list[str]:
+    """Where NVML still lists one of `pids` (an engine that is gone) on a GPU: `GPU 1: pid 42 (20.0 GiB)`."""
+    return [
+        f"GPU {device.index}: pid {p.pid} ({gib(p.used) if p.used is not None else 'size unknown'})"
+        for device in readings.devices
+        for p in device.processes
+        if p.pid in pids
+    ]
+
+
+async def wait_gpu_memory_released(
+    pids: Collection[int], read: Callable[[], GpuReadings] = read_gpus, within: float = _GPU_RELEASE
+) -> list[str]:
+    """Wait until no GPU lists any of `pids` (the engine's processes, all ended); what is still held after
+    `within` s, logged as an error (the next start would find that memory taken). NVML is read off the loop."""
+    deadline = time.monotonic() + within
+    while True:
+        held = held_gpu_memory(await asyncio.to_thread(read), pids) if pids else []
+        if not held or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(_GPU_RELEASE_POLL)
+    if held:
+        logger.error("GPU memory still held %.0f s after the engine's processes ended: %s", within, "; ".join(held))
+    return held
 
 
 class EngineSupervisor:
@@ -70,6 +105,9 @@ class EngineSupervisor:
         self.status = status
         self.status.scheduling_policy = scheduling_policy(argv)
         self.status.sequence_slots = sequence_slots(argv)
+        self.status.gpus = env.get("CUDA_VISIBLE_DEVICES")
+        self.status.tensor_parallel_size = parallel_size(argv, TENSOR_PARALLEL_FLAG)
+        self.status.data_parallel_size = parallel_size(argv, DATA_PARALLEL_FLAG)
         self.metrics = metrics
         self._echo = on_line or _echo
         self.should_exit = asyncio.Event()
@@ -252,6 +290,7 @@ class EngineSupervisor:
         """A watch on the engine's processes now; `engine status` shows them."""
         watch = MemberWatch(self._member_pids())
         self.status.processes = watch.pids
+        self.status.write(self.settings.state_dir / STATUS_FILE)
         return watch
 
     async def _probe(self, client: httpx.AsyncClient) -> str | None:
@@ -298,13 +337,14 @@ class EngineSupervisor:
         return True
 
     async def _stop(self) -> None:
-        if self.process is None or self.process.returncode is not None:
-            return
-        self._set_state(EngineState.STOPPING)
-        if self.force_exit:
-            await self.process.kill()
-        code = await self.process.stop()
-        self.status.last_exit_code = code
+        """Stop the engine's group (if it still runs) and see every GPU's memory of it freed."""
+        ended, self.status.processes = self.status.processes, []
+        if self.process is not None and self.process.returncode is None:
+            self._set_state(EngineState.STOPPING)
+            if self.force_exit:
+                await self.process.kill()
+            self.status.last_exit_code = await self.process.stop()
+        await wait_gpu_memory_released(ended)
 
 
 def _echo(line: str) -> None:

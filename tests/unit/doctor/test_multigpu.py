@@ -14,7 +14,6 @@ from gateway.doctor import multigpu, nvml, runner
 from gateway.doctor.check import Status
 from gateway.doctor.flags import parse_flags
 from gateway.doctor.multigpu import (
-    MULTICAST_OFF,
     Parallelism,
     check_gpu_access,
     check_nccl_environment,
@@ -25,6 +24,7 @@ from gateway.doctor.multigpu import (
 )
 from gateway.doctor.nvml import GpuLink, GpuProcess, GpuReadings, Topology, open_error
 from gateway.doctor.runner import run_checks
+from gateway.supervisor.launch import MULTICAST_OFF
 from tests.unit.doctor.samples import GiB, by_name, doctor_config_for, h200
 from tests.unit.doctor.test_gpu import FakeNvml
 
