@@ -6,23 +6,25 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.supervised import fake_shm_files, group_alive, start_supervisor, status
-from tests.procs import REPO_ROOT, free_port, wait_until
+from tests.e2e.supervised import engine_status_text, fake_shm_files, group_alive, start_supervisor, status
+from tests.procs import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
 THREE_PROCESSES = '["--spawn-child","--spawn-child"]'  # vLLM's stand-in and two SIGTERM-deaf helpers
 
 
+def _processes(state_dir: Path) -> list[int]:
+    listed = status(state_dir).get("processes")
+    return [int(pid) for pid in listed] if isinstance(listed, list) else []
+
+
 def _helpers(state_dir: Path) -> list[int]:
-    now = status(state_dir)
-    return [int(pid) for pid in list(now.get("processes") or []) if pid != now.get("engine_pid")]
+    return [pid for pid in _processes(state_dir) if pid != status(state_dir).get("engine_pid")]
 
 
 def test_kill_9_of_one_engine_process_restarts_the_whole_engine(state_dir: Path) -> None:
@@ -35,14 +37,7 @@ def test_kill_9_of_one_engine_process_restarts_the_whole_engine(state_dir: Path)
         old = [int(str(status(state_dir)["engine_pid"])), *_helpers(state_dir)]
         held = {f"fake-engine-{pid}" for pid in old[1:]}
         assert held <= fake_shm_files()
-        listing = subprocess.run(
-            [sys.executable, "-m", "gateway", "engine", "status"],
-            env={**os.environ, "NEMOTRON_ENGINE__STATE_DIR": str(state_dir)},
-            capture_output=True,
-            text=True,
-            cwd=REPO_ROOT,
-            check=False,
-        ).stdout
+        listing = engine_status_text(state_dir)
         assert all(str(pid) in listing for pid in old), listing
 
         os.kill(old[2], signal.SIGKILL)  # one worker dies; vLLM's stand-in and the other stay up
@@ -53,9 +48,9 @@ def test_kill_9_of_one_engine_process_restarts_the_whole_engine(state_dir: Path)
         assert held & fake_shm_files() == set(), "the old helpers' /dev/shm files must be removed"
         wait_until(lambda: status(state_dir).get("state") == "ready", timeout=20)
         wait_until(lambda: len(_helpers(state_dir)) == 2, timeout=10)
-        assert set(status(state_dir)["processes"]).isdisjoint(old)  # type: ignore[arg-type]
+        assert set(_processes(state_dir)).isdisjoint(old)
     finally:
         code = supervisor.stop()
     assert code == 0
     assert fake_shm_files() - before == set()
-    assert status(state_dir)["processes"] == []
+    assert _processes(state_dir) == []
