@@ -16,7 +16,7 @@ from pathlib import Path
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, skipped, warned
 from gateway.doctor.nvml import GpuDevice, GpuLink, GpuReadings, Topology
-from gateway.supervisor.launch import MULTICAST_OFF
+from gateway.engine.launch import MULTICAST_OFF
 
 _TRUE = frozenset(("1", "true", "yes", "on"))
 _SYS_NET = Path("/sys/class/net")

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis_asyncio
 
+from gateway.engine.state import STATUS_FILE, launched_sequence_slots
 from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import RedisCalls
 from gateway.settings import AdmissionSettings, Settings
-from gateway.supervisor.state import STATUS_FILE, launched_sequence_slots
 
 logger = logging.getLogger(__name__)
 

@@ -25,12 +25,8 @@ import httpx
 
 from gateway.doctor.check import gib
 from gateway.doctor.nvml import GpuReadings, read_gpus
-from gateway.metrics import SupervisorMetrics
-from gateway.settings import EngineSettings
-from gateway.supervisor.launch import ENGINE_KEY_VARIABLE
-from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
-from gateway.supervisor.process import GuardedProcess, MemberWatch
-from gateway.supervisor.state import (
+from gateway.engine.launch import ENGINE_KEY_VARIABLE
+from gateway.engine.state import (
     DATA_PARALLEL_FLAG,
     STATUS_FILE,
     TENSOR_PARALLEL_FLAG,
@@ -42,6 +38,10 @@ from gateway.supervisor.state import (
     scheduling_policy,
     sequence_slots,
 )
+from gateway.metrics import SupervisorMetrics
+from gateway.settings import EngineSettings
+from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
+from gateway.supervisor.process import GuardedProcess, MemberWatch
 
 logger = logging.getLogger(__name__)
 

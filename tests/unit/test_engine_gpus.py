@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from gateway.doctor import doctor_config
+from gateway.engine.launch import MULTICAST_OFF, engine_environment
+from gateway.engine.profiles import Profile, build_argv, load_profiles, select_profile
+from gateway.engine.state import EngineState, EngineStatus, parallel_size, sequence_slots
 from gateway.settings import EngineSettings, Settings
 from gateway.supervisor.cli import print_argv, show_status
-from gateway.supervisor.launch import MULTICAST_OFF, engine_environment
-from gateway.supervisor.profiles import Profile, build_argv, load_profiles, select_profile
-from gateway.supervisor.state import EngineState, EngineStatus, parallel_size, sequence_slots
 
 pytestmark = pytest.mark.timeout(30)
 

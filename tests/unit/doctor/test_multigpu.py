@@ -24,7 +24,7 @@ from gateway.doctor.multigpu import (
 )
 from gateway.doctor.nvml import GpuLink, GpuProcess, GpuReadings, Topology, open_error
 from gateway.doctor.runner import run_checks
-from gateway.supervisor.launch import MULTICAST_OFF
+from gateway.engine.launch import MULTICAST_OFF
 from tests.unit.doctor.samples import GiB, by_name, doctor_config_for, h200
 from tests.unit.doctor.test_gpu import FakeNvml
 
