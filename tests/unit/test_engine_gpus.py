@@ -67,10 +67,10 @@ def test_engine_status_lists_the_engines_processes_and_gpus(tmp_path: Path, caps
         state=EngineState.READY, processes=[me, 2**22 + 9], gpus="0,1", tensor_parallel_size=2, engine_pid=me
     )
     status.write(tmp_path / "engine.json")
-    assert show_status(Settings(engine=EngineSettings(state_dir=tmp_path)), as_json=False) == 0
+    assert show_status(EngineSettings(state_dir=tmp_path), as_json=False) == 0
     out = capsys.readouterr().out
     name = Path(f"/proc/{me}/comm").read_text().strip()
     assert f"processes       {me} {name}\n" in out  # the one that has ended is left out
     assert "GPUs            0,1 (tensor parallel 2, data parallel 1)\n" in out
-    show_status(Settings(engine=EngineSettings(state_dir=tmp_path)), as_json=True)
+    show_status(EngineSettings(state_dir=tmp_path), as_json=True)
     assert json.loads(capsys.readouterr().out)["processes"] == [me, 2**22 + 9]
