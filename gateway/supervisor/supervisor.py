@@ -41,7 +41,7 @@ from gateway.engine.state import (
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import EngineSettings
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
-from gateway.supervisor.process import GuardedProcess, MemberWatch
+from gateway.supervisor.process import GuardedProcess, MemberWatch, process_names
 
 logger = logging.getLogger(__name__)
 
@@ -287,8 +287,15 @@ class EngineSupervisor:
         return self.process.members() if self.process is not None else []
 
     def _watch_members(self) -> MemberWatch:
-        """A watch on the engine's processes now; `engine status` shows them."""
-        watch = MemberWatch(self._member_pids())
+        """A watch on the engine's processes now (vLLM's API server and the processes vLLM names as its own:
+        EngineCore, a worker per GPU, API servers, the data-parallel coordinator); `engine status` shows them.
+
+        Other members come and go in normal work (a compiler Triton runs for a new kernel, a short-lived
+        multiprocessing helper): their exit is no fault, so they are not watched."""
+        prefix = self.env.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::"
+        command = self.process.command_pid if self.process is not None else None
+        names = process_names(self._member_pids())
+        watch = MemberWatch([pid for pid, name in names.items() if pid == command or name.startswith(prefix)])
         self.status.processes = watch.pids
         self.status.write(self.settings.state_dir / STATUS_FILE)
         return watch

@@ -828,6 +828,8 @@ def _spawn_child() -> None:
     code = (
         "import os, signal, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        # vLLM names its processes (setproctitle): the supervisor watches those, not every short-lived helper.
+        "open('/proc/self/comm', 'w').write('VLLM::Worker')\n"
         "f = open(f'/dev/shm/fake-engine-{os.getpid()}', 'w')\n"
         "time.sleep(3600)\n"
     )
