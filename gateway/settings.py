@@ -314,6 +314,21 @@ class EngineSettings(_Group):
     )
     profiles_file: Path | None = Field(None, description="The operator's TOML file of extra or changed profiles.")
     extra_args: tuple[str, ...] = Field((), description="Further `vllm serve` flags (JSON list), after the profile's.")
+    gpus: str | None = Field(
+        None,
+        description="The GPUs the engine uses, as a CUDA_VISIBLE_DEVICES value: indices as nvidia-smi numbers them "
+        "(PCI bus order) or UUIDs, e.g. `0,1`. Unset: what the supervisor inherits. The gateway's GPU metrics cover "
+        "these GPUs only.",
+    )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="vLLM's --tensor-parallel-size, over the profile's and preset's (unset: theirs, or 1)."
+    )
+    data_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM's --data-parallel-size: that many copies of the model in one `vllm serve`, which balances "
+        "requests between them (unset: the profile's or preset's, or 1).",
+    )
     python: str | None = Field(None, description="Python interpreter that has vLLM (default: the gateway's own).")
     launcher: tuple[str, ...] | None = Field(
         None,
