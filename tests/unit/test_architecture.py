@@ -147,6 +147,9 @@ def test_the_scan_sees_the_package() -> None:
     assert ("gateway/app.py", "gateway.routes.openai") in edges
     assert ("gateway/relay/sse.py", "gateway.relay.client") in edges
     assert ("gateway/server.py", "gateway.app") in edges
+    assert ("gateway/server.py", "gateway.uvicorn_internals") in edges
+    assert ("gateway/uvicorn_internals.py", "gateway.client_limits") in edges
+    assert ("gateway/relay/client.py", "gateway.relay.aiohttp_internals") in edges
 
 
 def test_leaves_import_no_other_gateway_module() -> None:
@@ -207,6 +210,32 @@ def test_only_the_app_imports_routes() -> None:
         if i.file != "gateway/app.py"
         and not _in(i.file, ("gateway/routes/",))  # the package's own modules
         and _is_within(i.module, ("gateway.routes",))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_only_the_uvicorn_internals_module_imports_uvicorns_protocols_or_server() -> None:
+    """What relies on uvicorn's internals lives in one module, whose declaration tests/unit/test_library_internals.py
+    checks against the installed uvicorn."""
+    internal = ("uvicorn.protocols", "uvicorn.server", "uvicorn.Server", "uvicorn.Config")
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if i.file != "gateway/uvicorn_internals.py" and (_is_within(i.module, internal) or i.module == "uvicorn")
+    ]
+    assert not violations, _report(violations)
+
+
+def test_only_the_aiohttp_internals_module_names_aiohttps_stream_reader() -> None:
+    """aiohttp's StreamReader is used beyond its documented API (a subclass put on a live reader) in one module."""
+    violations = [
+        f"{_rel(path)}:{node.lineno}: names StreamReader"
+        for path in _source_files()
+        if _rel(path) != "gateway/relay/aiohttp_internals.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Attribute) and node.attr == "StreamReader")
+        or (isinstance(node, ast.Name) and node.id == "StreamReader")
+        or (isinstance(node, ast.alias) and node.name.endswith("StreamReader"))
     ]
     assert not violations, _report(violations)
 
