@@ -36,9 +36,10 @@ from gateway.relay.client import (
     UpstreamResponse,
     engine_error_body,
 )
+from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.shapes import CHAT, WireShape
-from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
+from gateway.relay.sse import SSERelay
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import Settings
 from gateway.types import ASGIApp, Receive, Scope, Send

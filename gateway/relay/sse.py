@@ -9,9 +9,10 @@ through `UpstreamResponse.read_chunk`, errors already mapped).
 
 Where the server offers a `BodyWriter` in the scope (gateway/server.py does), a plain content chunk is
 relayed from the engine connection's data callback straight to the client connection, below ASGI's
-per-message path: no task wake-up, no send() through the middleware chain (issue 11: ~20 µs a chunk on
-the per-message path against nginx's ~10). Everything else (the first chunk, a partial line, usage,
-`[DONE]`, a full client buffer, whatever arrives while the relay is busy) takes the per-message path.
+per-message path: no task wake-up, no send() through the middleware chain (~20 µs a chunk on the per-message
+path against nginx's ~10, measured by `python -m loadtest.overhead`). Everything else (the first chunk, a
+partial line, usage, `[DONE]`, a full client buffer, whatever arrives while the relay is busy) takes the
+per-message path. The client's disconnect is watched by `relay/disconnect.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
 
 import orjson
 
@@ -29,6 +30,7 @@ from gateway.errors import EngineTimeoutError, EngineUnavailableError, GatewayEr
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
+from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
 from gateway.relay.shapes import CHAT, WireShape
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
@@ -36,8 +38,7 @@ from gateway.types import Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-__all__ = ["KEEP_ALIVE", "ClientDisconnectedError", "Message", "Receive", "SSERelay", "Send", "run_until_disconnect"]
+__all__ = ["KEEP_ALIVE", "Message", "Receive", "SSERelay", "Send"]
 
 KEEP_ALIVE = b": keep-alive\n\n"
 _DONE_MARK = b"[DONE]"
@@ -58,38 +59,6 @@ class BodyWriter(Protocol):
     def write(self, body: bytes) -> bool:
         """True when `body` was written; False (nothing written) when the ASGI send must carry it instead."""
         ...
-
-
-class ClientDisconnectedError(Exception):
-    """The client went away before the answer was complete (logged with status 499)."""
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def run_until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
-    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnectedError.
-
-    Cancelling `work` closes its engine connection, so vLLM aborts the generation and frees its KV
-    cache: a non-streamed request must not run on for minutes after its client has gone.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        watcher.cancel()
-        raise
-    watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    raise ClientDisconnectedError
 
 
 def error_event(error: GatewayError) -> bytes:
