@@ -20,7 +20,7 @@ import socket
 from gateway.app import create_app
 from gateway.client_limits import ClientLimits
 from gateway.multiproc import forget_worker
-from gateway.relay.shared import SharedEngineState
+from gateway.relay.engine_state import SharedEngineState
 from gateway.settings import Settings, inherited_listen_fd
 from gateway.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
 from gateway.workers import STARTUP_FAILURE, WorkerPool, usable_cores
@@ -62,7 +62,7 @@ def serve(settings: Settings) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return STARTUP_FAILURE
-    # Made before the fork, so the workers share one view of the engine (see gateway/relay/shared.py).
+    # Made before the fork, so the workers share one view of the engine (see gateway/relay/engine_state.py).
     shared = SharedEngineState()
     target = functools.partial(serve_socket, settings, limits, shared=shared)
     # A dead worker's in-flight gauge must not stay in the sum the others' scrapes report.

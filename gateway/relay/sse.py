@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import orjson
@@ -51,6 +51,14 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     # nginx: never buffer this response, whatever the site config says.
     (b"x-accel-buffering", b"no"),
 )
+
+
+class Settles(Protocol):
+    """What the stream settles once it ends, or just before its end goes out (the exchange's `Settlement`)."""
+
+    async def settle(self) -> None:
+        """Release what the request holds; only the first call acts."""
+        ...
 
 
 class BodyWriter(Protocol):
@@ -144,7 +152,7 @@ class SSERelay:
         strip_usage: bool,
         shape: WireShape = CHAT,
         headers: Iterable[tuple[bytes, bytes]] = (),
-        on_finish: Callable[[], Awaitable[None]] | None = None,
+        settlement: Settles | None = None,
         activity: EngineActivity | None = None,
     ) -> None:
         self._upstream = upstream
@@ -155,7 +163,7 @@ class SSERelay:
         self._shape = shape
         self._headers = [*SSE_HEADERS, *headers]
         self._saw_done = False
-        self._on_finish = on_finish
+        self._settlement = settlement
         self._activity = activity
         self._alarm: _SilenceAlarm | None = None
         self._frozen = False
@@ -316,10 +324,10 @@ class SSERelay:
         )
 
     async def _finish(self) -> None:
-        """Run `on_finish` once (releases the key's concurrency slot and settles its tokens)."""
-        on_finish, self._on_finish = self._on_finish, None
-        if on_finish is not None:
-            await on_finish()
+        """Settle the exchange (releases the key's concurrency slot and reconciles its tokens), once."""
+        settlement, self._settlement = self._settlement, None
+        if settlement is not None:
+            await settlement.settle()
 
     def _take_usage(self, chunk: bytes) -> bytes:
         """Record the usage of every line that carries one; drop usage-only events the client did not ask for."""
@@ -347,7 +355,7 @@ class SSERelay:
         return b"\n".join(kept)
 
     async def _fail(self, send: Send, kind: EngineErrorKind, error: GatewayError) -> None:
-        # Counted by whoever settles the exchange (`on_finish`), from the record: one place for every kind.
+        # Counted by whoever settles the exchange (`settlement`), from the record: one place for every kind.
         self._record.engine_error = kind
         logger.warning("stream %s ended early: %s", self._record.request_id, error.message)
         await send({"type": "http.response.body", "body": self._shape.error_event(error), "more_body": False})

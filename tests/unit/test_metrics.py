@@ -24,7 +24,7 @@ from gateway.middleware import RequestContextMiddleware
 from gateway.ratelimit.redis import _exhausted
 from gateway.redis_client import RedisCalls
 from gateway.requestlog import EngineErrorKind, RequestRecord
-from gateway.settings import HttpSettings, MetricsSettings, RedisSettings, Settings
+from gateway.settings import HttpSettings, MetricsSettings, RedisSettings
 from gateway.supervisor.state import EngineState, EngineStatus, RestartCause, RestartRecord
 from gateway.types import Message, Send
 
@@ -259,7 +259,7 @@ def test_workers_collector_drops_forgotten_keys_and_labels_process_figures_by_pi
 
 async def test_redis_calls_are_timed_and_failures_counted() -> None:
     metrics = GatewayMetrics()
-    calls = RedisCalls(Settings(redis=RedisSettings(command_timeout=1.0)), metrics)
+    calls = RedisCalls(RedisSettings(command_timeout=1.0), metrics)
 
     async def answers() -> str:
         return "ok"

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.errors import InvalidRequestError
 from gateway.ratelimit.admission import parse_load, retry_after, tier_bounds
-from gateway.relay.model import ModelInfo
+from gateway.relay.served_model import ModelInfo
 from gateway.settings import AdmissionSettings, Settings
 from gateway.supervisor.state import EngineStatus, launched_policy
 from gateway.validation import effective_priority, prepare_chat
