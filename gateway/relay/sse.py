@@ -7,7 +7,7 @@ recorded as engine progress (one timestamp) for the engine monitor, which can al
 the engine stuck. Speaks raw ASGI; imports no web framework and no HTTP client (the engine's bytes come
 through `UpstreamResponse.read_chunk`, errors already mapped).
 
-Where the server offers a `BodyWriter` in the scope (gateway/server.py does), a plain content chunk is
+Where the server offers a `BodyWriter` in the scope (gateway/uvicorn_internals.py does), a plain content chunk is
 relayed from the engine connection's data callback straight to the client connection, below ASGI's
 per-message path: no task wake-up, no send() through the middleware chain (~20 µs a chunk on the per-message
 path against nginx's ~10, measured by `python -m loadtest.overhead`). Everything else (the first chunk, a
