@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway.background import BackgroundTask
+from gateway.engine.state import PRIORITY, STATUS_FILE, launched_policy
 from gateway.errors import EngineCredentialsError, EngineRefusedError, EngineUnavailableError, GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
@@ -56,7 +57,6 @@ from gateway.relay.engine_state import (
 )
 from gateway.relay.served_model import ModelInfo, ModelOverrides
 from gateway.settings import RelaySettings
-from gateway.supervisor.state import PRIORITY, STATUS_FILE, launched_policy
 
 logger = logging.getLogger(__name__)
 
