@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from gateway.bounds import ROLE_MARKER, TYPE_MARKER, BodyBounds, count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.reasoning import apply_reasoning, apply_responses_reasoning, clamp_thinking_budget, served_switch
-from gateway.relay.model import ModelInfo
+from gateway.relay.served_model import ModelInfo
 from gateway.schemas import (
     ROLES,
     AnthropicCountTokensRequest,

@@ -28,7 +28,7 @@ from gateway.middleware import RequestContextMiddleware
 from gateway.ratelimit.redis import _exhausted
 from gateway.redis_client import RedisCalls
 from gateway.requestlog import EngineErrorKind, RequestRecord
-from gateway.settings import HttpSettings, MetricsSettings, RedisSettings, Settings
+from gateway.settings import HttpSettings, MetricsSettings, RedisSettings
 from gateway.types import Message, Send
 from tests.unit.doctor.test_gpu import FakeNvml
 
@@ -310,7 +310,7 @@ def test_workers_collector_drops_forgotten_keys_and_labels_process_figures_by_pi
 
 async def test_redis_calls_are_timed_and_failures_counted() -> None:
     metrics = GatewayMetrics()
-    calls = RedisCalls(Settings(redis=RedisSettings(command_timeout=1.0)), metrics)
+    calls = RedisCalls(RedisSettings(command_timeout=1.0), metrics)
 
     async def answers() -> str:
         return "ok"

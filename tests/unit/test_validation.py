@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gateway.bounds import count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.relay.model import ModelInfo
+from gateway.relay.served_model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, EngineSettings, Settings
 from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion, prepare_messages
 
