@@ -2,10 +2,11 @@
 For tests/engine and the quickstart. Needs the cpu/gpu extra (torch, tokenizers, safetensors): the gateway
 core never imports it.
 
-`defects` seeds the chat-format faults the field reports met, for the doctor to find and a preset to fix:
-`double-bos` (the template writes BOS twice), `no-template`, `needs-system` (the template fails without a system
-message). The tokenizer also holds one added token whose text is a whole Nano-9B-v2 tool call (`TOOL_CALL_TEXT`),
-so a request can make the random model emit it (logit_bias) and the engine's tool parser is exercised for real.
+`defects` seeds chat-format faults that Nemotron templates in circulation have, for the doctor to find and a
+preset to fix: `double-bos` (the template writes BOS twice), `no-template`, `needs-system` (the template fails
+without a system message). The tokenizer also holds one added token whose text is a whole Nano-9B-v2 tool call
+(`TOOL_CALL_TEXT`), so a request can make the random model emit it (logit_bias) and the engine's tool parser is
+exercised for real.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ CHAT_TEMPLATE = (
 
 # The Nano-9B-v2 tool-call format, as one token (not special: it is decoded into the text the parser reads).
 TOOL_CALL_TEXT = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
-# A template that breaks without a system message, as the field reports' did (KeyError: 'system').
+# A template that breaks without a system message, as some Llama-Nemotron templates do (KeyError: 'system').
 _NEEDS_SYSTEM = "{% if messages[0]['role'] != 'system' %}{{ raise_exception(\"KeyError: 'system'\") }}{% endif %}"
 DEFECTS = ("double-bos", "no-template", "needs-system")
 

@@ -77,7 +77,7 @@ class KeyStore:
         self._calls = RedisCalls(settings, metrics)
         # Every change below is recorded, with `operator` (default: the OS user), in the audit trail.
         self.audit = KeyAudit(redis, self._calls, settings.auth.audit_max_entries, operator)
-        # A revoked or changed key's per-key series stop being exported (bounded cardinality, issue 9).
+        # A revoked or changed key's per-key series stop being exported (the per-key series stay bounded).
         self._metrics = metrics
         self._cache: dict[str, _Entry] = {}
         # Digests that authenticated in this process (insertion-ordered, bounded): a client address blocked

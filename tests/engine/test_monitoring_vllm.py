@@ -1,6 +1,6 @@
 """The shipped scrape config against the real `vllm serve` (CPU build, demo model) under `nemotron-gateway up`:
 vLLM's own metrics reach a real Prometheus through the gateway's /metrics/engine relay, as their own job, and
-the dashboard's engine panels have data (issue 9). One engine start.
+the dashboard's engine panels have data. One engine start.
 """
 
 from __future__ import annotations

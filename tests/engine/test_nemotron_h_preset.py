@@ -1,4 +1,4 @@
-"""The `nemotron-nano-9b-v2` preset, unchanged, on a real hybrid-Mamba engine (issue 8): the CPU build of vLLM serves
+"""The `nemotron-nano-9b-v2` preset, unchanged, on a real hybrid-Mamba engine: the CPU build of vLLM serves
 a tiny NemotronHForCausalLM (Nano-9B-v2's layer layout, random weights through `--load-format dummy`) with the
 preset's flags (`--mamba-ssm-cache-dtype float32`, `--reasoning-parser nemotron_v3`, `--tool-call-parser
 nemotron_json`); the reasoning switch reaches the rendered prompt, a `<TOOLCALL>` comes back as `tool_calls`, and

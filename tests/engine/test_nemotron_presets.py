@@ -1,4 +1,4 @@
-"""Serving Nemotron right on the real engine (issue 8), one `vllm serve` start for the module: a demo model with
+"""Serving Nemotron right on the real engine, one `vllm serve` start for the module: a demo model with
 seeded chat-format defects (its template writes BOS twice and fails without a system message) is flagged by the
 doctor, fixed by a model preset (engine_patches' shipped template), and answers through the gateway with one BOS;
 the reasoning switch reaches the prompt vLLM renders; the engine_patches plugin is loaded by vLLM and its

@@ -1,4 +1,5 @@
-"""The dependency rules of HOUSE_STYLE.md section 3, checked on the source (an AST scan, nothing imported).
+"""The gateway's dependency rules (which module may import which), checked on the source
+(an AST scan, nothing imported).
 
 A failure lists every offending `file:line`, so the fix is in the code, not in this test.
 """
@@ -185,7 +186,7 @@ def test_doctor_imports_only_settings_errors_its_own_modules_and_engine_data() -
 
 
 def test_the_gateway_never_imports_the_engine_plugin_nor_the_plugin_the_gateway() -> None:
-    """engine_patches runs inside vLLM (issue 8): the gateway only finds its templates' path, without importing it."""
+    """engine_patches runs inside vLLM's processes: the gateway only finds its templates' path, without importing it."""
     violations = [str(i) for i in _all_imports() if _is_within(i.module, ("engine_patches",))]
     plugin_files = sorted((ROOT / "engine_patches").rglob("*.py"))
     assert any(p.name == "plugin.py" for p in plugin_files)
@@ -327,7 +328,7 @@ def test_importing_every_module_has_no_side_effects() -> None:
 
 
 def test_the_engine_entry_point_loads_no_web_stack() -> None:
-    # `nemotron-engine` (the engine unit's ExecStart) runs the supervisor alone (issue 10): a fresh
+    # `nemotron-engine` (the engine unit's ExecStart) runs the supervisor alone: a fresh
     # interpreter imports its module and must not have loaded the HTTP app, FastAPI or aiohttp.
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module = scripts["nemotron-engine"].split(":")[0]

@@ -1,4 +1,4 @@
-"""A stopping gateway drains: the stop signal marks the app draining and /ready answers 503 from then on (issue 10).
+"""A stopping gateway drains: the stop signal marks the app draining and /ready answers 503 from then on.
 
 The route is called with a real app's state and stand-in services (an engine known ready, Redis answering),
 so the only thing that can make it answer 503 is the drain.

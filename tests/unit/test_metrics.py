@@ -1,4 +1,4 @@
-"""The metrics module, the scrape access rule and the JSON access line, without sockets (issue 9)."""
+"""The metrics module, the scrape access rule and the JSON access line, without sockets."""
 
 from __future__ import annotations
 
