@@ -1,7 +1,7 @@
 """Request-scoped helpers for route handlers: the app's services, the request record, the API key.
 
-Plain functions rather than FastAPI `Depends` on the completion routes: those skip FastAPI's
-dependency solving on the hot path (see `app._CompletionRoutes`).
+Plain functions rather than FastAPI `Depends`: the hot routes are called by `app._Dispatcher` directly,
+without FastAPI's dependency solving (see `routes/table.py`), and the routers' handlers call them the same way.
 """
 
 from __future__ import annotations

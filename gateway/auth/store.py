@@ -1,7 +1,8 @@
 """KeyStore: API key records in Redis, a short in-process cache, and pub/sub invalidation across processes.
 
-Imports errors, settings, metrics, auth.keys and redis_client, whose boundary (`RedisCalls`) maps Redis failures to
-KeyStoreUnavailableError. Redis holds digests only; secrets are never stored, logged, or put in messages.
+Imports errors, settings, metrics, auth.keys, auth.audit, auth.scripts and redis_client, whose boundary
+(`RedisCalls`) maps Redis failures to KeyStoreUnavailableError. Redis holds digests only; secrets are never
+stored, logged, or put in messages.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""HTTP routes; each module exports `router`, and `table` declares every served route once.
+"""HTTP routes: `table` declares every served route once; `health`, `metrics` and `openai` export a FastAPI
+`router` for the rows without a handler, `openai` and `stored` hold the handlers the dispatcher calls directly.
 
 Only `gateway.app` imports this package.
 """
