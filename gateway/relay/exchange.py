@@ -39,7 +39,7 @@ from gateway.relay.client import (
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.shapes import CHAT, WireShape
 from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
-from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import Settings
 from gateway.types import ASGIApp, Receive, Scope, Send
 

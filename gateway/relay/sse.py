@@ -30,7 +30,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.shapes import CHAT, WireShape
-from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
 from gateway.types import Message, Receive, Scope, Send
 

@@ -23,10 +23,10 @@ pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gateway"
 
-LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/requestlog.py")
+LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/request_record.py")
 OPTIONAL_LEAVES = ("gateway/supervisor/state.py",)
 SERVICES = ("gateway/auth/", "gateway/ratelimit/", "gateway/relay/", "gateway/supervisor/", "gateway/doctor/")
-WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.deps", "gateway.app")
+WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.app")
 ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/supervisor/", "gateway/doctor/")
 # The doctor checks what the supervisor would start: settings, errors, its own modules and the supervisor's
 # data about the engine (profiles and the argv builder, the status file); nothing of the request path but the

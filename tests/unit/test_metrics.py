@@ -23,7 +23,7 @@ from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics, Wor
 from gateway.middleware import RequestContextMiddleware
 from gateway.ratelimit.redis import _exhausted
 from gateway.redis_client import RedisCalls
-from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import HttpSettings, MetricsSettings, RedisSettings, Settings
 from gateway.supervisor.state import EngineState, EngineStatus, RestartCause, RestartRecord
 from gateway.types import Message, Send
