@@ -16,7 +16,7 @@ test-deploy:    ## the shipped units under a real systemd (a booted Debian conta
 	.venv/bin/pytest tests/deploy -m deploy -v
 
 lint:
-	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests && .venv/bin/mypy
+	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests tools && .venv/bin/mypy
 
 bench:          ## gateway overhead vs the engine directly and vs nginx (the reference proxy), without and with keys + limits
 	scripts/bootstrap

@@ -25,13 +25,13 @@ import httpx
 import openai
 import pytest
 
-from gateway import demo_model
 from gateway.doctor.check import Status
 from gateway.doctor.model import ModelFlags, check_model_dir
 from tests.engine import _vllm
 from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import running_up, up_settings
 from tests.procs import REPO_ROOT, ServerProcess, free_port
+from tools import demo_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -212,6 +212,14 @@ def test_only_the_app_imports_routes() -> None:
     assert not violations, _report(violations)
 
 
+def test_the_package_holds_no_model_writer() -> None:
+    """Writing a model (torch, safetensors, tokenizers) is a development tool's work (tools/demo_model.py), outside
+    the package: nothing the wheel ships as `gateway` imports those."""
+    violations = [str(i) for i in _all_imports() if _is_within(i.module, ("torch", "safetensors", "tokenizers"))]
+    assert not violations, _report(violations)
+    assert (ROOT / "tools" / "demo_model.py").is_file()
+
+
 def test_no_function_local_imports() -> None:
     violations = [f"{i.file}:{i.line}: local import of {i.module}" for i in _all_imports() if i.local]
     assert not violations, _report(violations)
@@ -322,7 +330,7 @@ def test_importing_every_module_has_no_side_effects() -> None:
     assert found["sockets"] == []
     assert found["root_handlers"] == 0
     assert found["default_registry"] == []
-    # Modules of the optional extras (torch for the demo model) may be missing here; the core never is.
+    # Modules of the optional extras (vLLM for the doctor's engine-config check) may be missing here; the core never is.
     assert set(found["unavailable"].values()) <= OPTIONAL_EXTRAS, found["unavailable"]
     assert not set(found["unavailable"]) & {"gateway.app", "gateway.cli", "gateway.relay.sse", "gateway.settings"}
 

@@ -1,6 +1,8 @@
 """Writes a tiny random-weight NemotronForCausalLM model directory that `vllm serve` (CPU build) can load.
-For tests/engine and the quickstart. Needs the cpu/gpu extra (torch, tokenizers, safetensors): the gateway
-core never imports it.
+For tests/engine, the load tool's CPU runs and the quickstart (`make run`, through `nemotron-gateway demo-model`).
+Needs the cpu/gpu extra (torch, tokenizers, safetensors). A development tool: not part of the gateway package.
+
+    python -m tools.demo_model DIR [--seed N] [--defect double-bos|no-template|needs-system]...
 
 `defects` seeds chat-format faults that Nemotron templates in circulation have, for the doctor to find and a
 preset to fix: `double-bos` (the template writes BOS twice), `no-template`, `needs-system` (the template fails
@@ -314,7 +316,7 @@ def write_tiny_nemotron_h(directory: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m gateway.demo_model", description="Write a tiny random-weight Nemotron model directory."
+        prog="python -m tools.demo_model", description="Write a tiny random-weight Nemotron model directory."
     )
     parser.add_argument("directory", type=Path, help="where to write the model (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
