@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from loadtest.dashboard import load_dashboard, panel_queries
+from deploy.grafana.dashboard import load_dashboard, panel_queries
 from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import running_up, up_settings
 from tests.integration.test_monitoring import PROMETHEUS_DIR, _prometheus, _scrape_config
