@@ -194,6 +194,22 @@ def test_the_gateway_never_imports_the_engine_plugin_nor_the_plugin_the_gateway(
     assert not violations, _report(violations)
 
 
+def test_the_load_tool_and_the_tests_share_the_gateway_process_runner_alone() -> None:
+    """The load tool drives the gateway across process boundaries; of the package it imports only the process
+    runner, which the tests' runner is built on too."""
+    loadtest = [i for p in sorted((ROOT / "loadtest").rglob("*.py")) for i in _imports(p)]
+    violations = [
+        str(i)
+        for i in loadtest
+        if _is_within(i.module, ("gateway",)) and not _is_within(i.module, ("gateway.supervisor.process",))
+    ]
+    assert not violations, _report(violations)
+    assert ("loadtest/processes.py", "gateway.supervisor.process") in {(i.file, i.module) for i in loadtest}
+    assert ("tests/procs.py", "gateway.supervisor.process") in {
+        (i.file, i.module) for i in _imports(ROOT / "tests/procs.py")
+    }
+
+
 def test_nothing_but_the_server_imports_the_app() -> None:
     violations = [
         str(i) for i in _all_imports() if i.file != "gateway/server.py" and _is_within(i.module, ("gateway.app",))
