@@ -17,6 +17,7 @@ from pydantic import SecretStr
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.doctor.nvml import ActivityReader
+from gateway.engine.state import EngineState, EngineStatus, RestartCause, RestartRecord
 from gateway.errors import KeyStoreUnavailableError, MetricsForbiddenError
 from gateway.exposition import ScrapeAccess
 from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics, WorkersCollector
@@ -25,7 +26,6 @@ from gateway.ratelimit.redis import _exhausted
 from gateway.redis_client import RedisCalls
 from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import HttpSettings, MetricsSettings, RedisSettings, Settings
-from gateway.supervisor.state import EngineState, EngineStatus, RestartCause, RestartRecord
 from gateway.types import Message, Send
 
 pytestmark = pytest.mark.timeout(10)
