@@ -31,6 +31,9 @@ logger = logging.getLogger("gateway")
 # Flags that map one-to-one onto top-level settings (also settable as NEMOTRON_<FLAG>).
 _SETTING_FLAGS = ("host", "port", "engine_url", "redis_url", "log_level", "workers")
 
+# `demo-model` runs a development tool of the repository, found beside the package in a checkout (not in the wheel).
+_DEMO_MODEL_WRITER = Path(__file__).resolve().parent.parent / "tools" / "demo_model.py"
+
 # The module that runs each verb (and, for `keys` and `doctor`, declares its flags), imported on demand.
 _VERB_MODULES = {
     "serve": "gateway.server",
@@ -44,7 +47,7 @@ _VERB_HELP = {
     "serve": "run the gateway in front of a running OpenAI-compatible engine",
     "engine": "run the engine supervisor in the foreground (vllm serve on 127.0.0.1)",
     "keys": "create, list, show, rotate and revoke API keys",
-    "demo-model": "write a tiny random-weight Nemotron model and tokenizer (needs the cpu or gpu extra)",
+    "demo-model": "write a tiny random-weight Nemotron model and tokenizer (a checkout with the cpu or gpu extra)",
     "doctor": "preflight checks of the GPU, host, model directory and Redis",
     "up": "engine supervisor and gateway together, in the foreground",
 }
@@ -194,7 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(_verb_of(argv)).parse_args(argv)
     if args.verb == "demo-model":
         # A child interpreter: the model writer needs torch and tokenizers, which the gateway never imports.
-        command = [sys.executable, "-m", "gateway.demo_model", str(args.directory), "--seed", str(args.seed)]
+        if not _DEMO_MODEL_WRITER.is_file():
+            sys.stderr.write(f"nemotron-gateway demo-model: no {_DEMO_MODEL_WRITER}; run it from a checkout\n")
+            return 2
+        command = [sys.executable, str(_DEMO_MODEL_WRITER), str(args.directory), "--seed", str(args.seed)]
         return subprocess.run(command, check=False).returncode
     return _run_verb(args)
 

@@ -103,7 +103,7 @@ class _SamplingFields(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # Every token count is a strict, bounded integer: a negative or mistyped one would drive the up-front
-    # token charge to zero or fail the budget arithmetic (issue 12).
+    # token charge to zero or fail the budget arithmetic.
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     min_tokens: StrictInt | None = Field(None, ge=0)

@@ -1,8 +1,8 @@
 """Turns a client's request body into the body sent to the engine, or a clear 400.
 
-Checks the Nemotron pitfalls (see DESIGN.md) and applies policy: model aliases, `developer` sent as `system`,
-the default system message, the reasoning switch in the served model's convention, usage always requested in
-streams. Cheap checks (the counts of messages and other lists, `gateway/bounds.py`) come before costly ones.
+Checks the Nemotron pitfalls (README, "Serving Nemotron") and applies policy: model aliases, `developer` sent as
+`system`, the default system message, the reasoning switch in the served model's convention, usage always requested
+in streams. Cheap checks (the counts of messages and other lists, `gateway/bounds.py`) come before costly ones.
 Imports settings, errors, bounds, schemas, reasoning and the relay's ModelInfo only.
 """
 
@@ -255,7 +255,8 @@ def _serialise(data: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(data)
     except orjson.JSONEncodeError:
-        # The parser accepts nesting up to 1024 levels, the serialiser only ~254 (issue 12).
+        # The parser accepts nesting up to 1024 levels, the serialiser only ~254: refuse
+        # what the engine could not be sent, as a 400 rather than a 500.
         raise InvalidRequestError(
             "The request is nested too deeply (arrays or objects more than 250 levels inside each other); flatten it."
         ) from None

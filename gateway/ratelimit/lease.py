@@ -13,7 +13,7 @@ three calls to the limiter. Imports the limiter's protocol and the request recor
 from __future__ import annotations
 
 from gateway.ratelimit.limiter import Lease, LimitedKey, RateLimiter, TokenDetail
-from gateway.requestlog import RequestRecord
+from gateway.request_record import RequestRecord
 
 
 class RequestLease:

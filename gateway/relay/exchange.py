@@ -43,7 +43,7 @@ from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconne
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.shapes import CHAT, WireShape
 from gateway.relay.sse import SSERelay
-from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
 from gateway.types import ASGIApp, Receive, Scope, Send
 

@@ -32,7 +32,7 @@ from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
 from gateway.relay.shapes import CHAT, WireShape
-from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
 from gateway.types import Message, Receive, Scope, Send
 

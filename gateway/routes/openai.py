@@ -16,12 +16,12 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway.auth import ApiKey
-from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import GatewayError, RequestTooLargeError
 from gateway.ratelimit import RequestLease
 from gateway.relay.exchange import AfterSettle
 from gateway.relay.shapes import WireShape
-from gateway.requestlog import RequestRecord
+from gateway.request_record import RequestRecord
+from gateway.routes.context import get_record, get_services, require_api_key
 from gateway.services import Services
 from gateway.types import ASGIApp
 from gateway.validation import Prepare, PreparedRequest, effective_priority

@@ -1,6 +1,6 @@
 """The package's dependency rules, checked on the source (an AST scan, nothing imported).
 
-The engine side has floors, bottom first: the leaves (settings, errors, metrics, the request log, the shared
+The engine side has floors, bottom first: the leaves (settings, errors, metrics, the request record, the shared
 types), the engine package (what we know about the engine: profiles, presets, flags, argv and environment, status
 file), its users (the supervisor that runs vLLM, the doctor, the relay, the reasoning switch), and the
 command line on top. An import runs down or sideways, never up. A failure lists every offending
@@ -26,7 +26,13 @@ pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gateway"
 
-LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/requestlog.py", "gateway/types.py")
+LEAVES = (
+    "gateway/settings.py",
+    "gateway/errors.py",
+    "gateway/metrics.py",
+    "gateway/request_record.py",
+    "gateway/types.py",
+)
 OPTIONAL_LEAVES = ("gateway/engine/state.py",)
 SERVICES = (
     "gateway/auth/",
@@ -36,7 +42,7 @@ SERVICES = (
     "gateway/supervisor/",
     "gateway/doctor/",
 )
-WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.deps", "gateway.app")
+WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.app")
 ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/engine/", "gateway/supervisor/", "gateway/doctor/")
 # The doctor checks what the supervisor would start: settings, errors, its own modules and the engine package
 # (profiles and the argv builder, the status file); nothing of the request path but the one Redis client
@@ -284,12 +290,28 @@ def test_only_the_command_line_imports_the_supervisor() -> None:
 
 
 def test_the_gateway_never_imports_the_engine_plugin_nor_the_plugin_the_gateway() -> None:
-    """engine_patches runs inside vLLM: the gateway only finds its templates' path, without importing it."""
+    """engine_patches runs inside vLLM's processes: the gateway only finds its templates' path, without importing it."""
     violations = [str(i) for i in _all_imports() if _is_within(i.module, ("engine_patches",))]
     plugin_files = sorted((ROOT / "engine_patches").rglob("*.py"))
     assert any(p.name == "plugin.py" for p in plugin_files)
     violations += [str(i) for p in plugin_files for i in _imports(p) if _is_within(i.module, ("gateway", "loadtest"))]
     assert not violations, _report(violations)
+
+
+def test_the_load_tool_and_the_tests_share_the_gateway_process_runner_alone() -> None:
+    """The load tool drives the gateway across process boundaries; of the package it imports only the process
+    runner, which the tests' runner is built on too."""
+    loadtest = [i for p in sorted((ROOT / "loadtest").rglob("*.py")) for i in _imports(p)]
+    violations = [
+        str(i)
+        for i in loadtest
+        if _is_within(i.module, ("gateway",)) and not _is_within(i.module, ("gateway.supervisor.process",))
+    ]
+    assert not violations, _report(violations)
+    assert ("loadtest/processes.py", "gateway.supervisor.process") in {(i.file, i.module) for i in loadtest}
+    assert ("tests/procs.py", "gateway.supervisor.process") in {
+        (i.file, i.module) for i in _imports(ROOT / "tests/procs.py")
+    }
 
 
 def test_nothing_but_the_server_imports_the_app() -> None:
@@ -334,6 +356,14 @@ def test_only_the_aiohttp_internals_module_names_aiohttps_stream_reader() -> Non
         or (isinstance(node, ast.alias) and node.name.endswith("StreamReader"))
     ]
     assert not violations, _report(violations)
+
+
+def test_the_package_holds_no_model_writer() -> None:
+    """Writing a model (torch, safetensors, tokenizers) is a development tool's work (tools/demo_model.py), outside
+    the package: nothing the wheel ships as `gateway` imports those."""
+    violations = [str(i) for i in _all_imports() if _is_within(i.module, ("torch", "safetensors", "tokenizers"))]
+    assert not violations, _report(violations)
+    assert (ROOT / "tools" / "demo_model.py").is_file()
 
 
 def test_no_function_local_imports() -> None:
@@ -446,7 +476,7 @@ def test_importing_every_module_has_no_side_effects() -> None:
     assert found["sockets"] == []
     assert found["root_handlers"] == 0
     assert found["default_registry"] == []
-    # Modules of the optional extras (torch for the demo model) may be missing here; the core never is.
+    # Modules of the optional extras (vLLM for the doctor's engine-config check) may be missing here; the core never is.
     assert set(found["unavailable"].values()) <= OPTIONAL_EXTRAS, found["unavailable"]
     assert not set(found["unavailable"]) & {"gateway.app", "gateway.cli", "gateway.relay.sse", "gateway.settings"}
 

@@ -17,7 +17,7 @@ from gateway import cli
 pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the web app brings: ~0.6 s of imports that `keys list` used to pay.
+# What the web app brings: ~0.6 s of imports that `keys list` must not pay.
 WEB_STACK = ["fastapi", "starlette", "uvicorn", "aiohttp", "gateway.app", "gateway.server", "gateway.relay"]
 _PROBE = """
 import json, sys
@@ -100,6 +100,24 @@ def test_misspelt_env_file_line_is_named_before_the_configuration_error(
     err = capsys.readouterr().err
     assert f"NEMOTRON_ENGINE__SERVED_MODEL_NAM (in the {env_file}) is not a setting" in err
     assert "did you mean NEMOTRON_ENGINE__SERVED_MODEL_NAME?" in err
+
+
+@pytest.mark.timeout(120)  # the writer imports torch: seconds on a busy machine
+def test_demo_model_writes_the_model_from_any_directory_of_a_checkout(tmp_path: Path) -> None:
+    # The writer is tools/demo_model.py, outside the package; the verb finds it beside the package, whatever the cwd.
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "demo-model", str(tmp_path / "model"), "--seed", "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["architectures"] == ["NemotronForCausalLM"]
+    assert (tmp_path / "model" / "tokenizer.json").is_file()
 
 
 # The engine command under its two names: `nemotron-gateway engine ARGS` and `nemotron-engine ARGS`.

@@ -25,7 +25,7 @@ from gateway.relay.client import EngineClient
 from gateway.relay.exchange import BufferedAnswer, EngineRelay
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.sse import SSERelay
-from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import Settings
 from gateway.types import Message
 from tests.procs import free_port

@@ -16,7 +16,7 @@ import pytest
 from gateway.metrics import GatewayMetrics
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.sse import BODY_WRITER, SSERelay
-from gateway.requestlog import RequestRecord
+from gateway.request_record import RequestRecord
 from gateway.settings import RelaySettings
 from gateway.types import Message
 

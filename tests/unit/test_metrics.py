@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics, Wor
 from gateway.middleware import RequestContextMiddleware
 from gateway.ratelimit.redis import _exhausted
 from gateway.redis_client import RedisCalls
-from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import HttpSettings, MetricsSettings, RedisSettings
 from gateway.types import Message, Send
 from tests.unit.doctor.test_gpu import FakeNvml

@@ -18,7 +18,7 @@ from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.shapes import CHAT, MESSAGES, RESPONSES, WireShape
 from gateway.relay.sse import KEEP_ALIVE, SSERelay
-from gateway.requestlog import EngineErrorKind, RequestRecord
+from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
 from gateway.types import Message
 

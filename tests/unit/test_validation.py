@@ -503,7 +503,7 @@ def test_param_path(loc: tuple[int | str, ...], path: str) -> None:
     assert param_path(loc) == path
 
 
-# --- hostile bodies (issue 12) ---------------------------------------------------------------------
+# --- hostile bodies --------------------------------------------------------------------------------
 
 TOKEN_FIELDS = [
     ("max_tokens", -1),

@@ -1,11 +1,14 @@
 """Writes a tiny random-weight NemotronForCausalLM model directory that `vllm serve` (CPU build) can load.
-For tests/engine and the quickstart. Needs the cpu/gpu extra (torch, tokenizers, safetensors): the gateway
-core never imports it.
+For tests/engine, the load tool's CPU runs and the quickstart (`make run`, through `nemotron-gateway demo-model`).
+Needs the cpu/gpu extra (torch, tokenizers, safetensors). A development tool: not part of the gateway package.
 
-`defects` seeds the chat-format faults the field reports met, for the doctor to find and a preset to fix:
-`double-bos` (the template writes BOS twice), `no-template`, `needs-system` (the template fails without a system
-message). The tokenizer also holds one added token whose text is a whole Nano-9B-v2 tool call (`TOOL_CALL_TEXT`),
-so a request can make the random model emit it (logit_bias) and the engine's tool parser is exercised for real.
+    python -m tools.demo_model DIR [--seed N] [--defect double-bos|no-template|needs-system]...
+
+`defects` seeds chat-format faults that Nemotron templates in circulation have, for the doctor to find and a
+preset to fix: `double-bos` (the template writes BOS twice), `no-template`, `needs-system` (the template fails
+without a system message). The tokenizer also holds one added token whose text is a whole Nano-9B-v2 tool call
+(`TOOL_CALL_TEXT`), so a request can make the random model emit it (logit_bias) and the engine's tool parser is
+exercised for real.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ CHAT_TEMPLATE = (
 
 # The Nano-9B-v2 tool-call format, as one token (not special: it is decoded into the text the parser reads).
 TOOL_CALL_TEXT = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
-# A template that breaks without a system message, as the field reports' did (KeyError: 'system').
+# A template that breaks without a system message, as some Llama-Nemotron templates do (KeyError: 'system').
 _NEEDS_SYSTEM = "{% if messages[0]['role'] != 'system' %}{{ raise_exception(\"KeyError: 'system'\") }}{% endif %}"
 DEFECTS = ("double-bos", "no-template", "needs-system")
 # `thinking=True`: Nemotron 3's think markers as tokens of their own, and its template's habit: the generation
@@ -332,7 +335,7 @@ def write_tiny_nemotron_h(directory: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m gateway.demo_model", description="Write a tiny random-weight Nemotron model directory."
+        prog="python -m tools.demo_model", description="Write a tiny random-weight Nemotron model directory."
     )
     parser.add_argument("directory", type=Path, help="where to write the model (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
