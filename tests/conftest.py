@@ -38,16 +38,59 @@ def _redis_server_binary() -> str | None:
     return None
 
 
+# Under pytest-xdist (`-n N`, scripts/test): the tests of one xdist group run on one worker, in order. The real-vLLM
+# tier is one group, handed out first: it is the longest chain, and one CPU engine at a time is what two cores
+# carry. Every other module is a group of its own (its module fixtures start once), except the modules that
+# count the fake engine's /dev/shm files by name before and after (another worker's fake engine would add some).
+ENGINE_GROUP = "real-vllm"
+SHM_COUNTING_GROUP = "fake-engine-shm"
+SHM_COUNTING_MODULES = frozenset(
+    {
+        "tests/e2e/test_reaper_idle.py",
+        "tests/e2e/test_supervisor.py",
+        "tests/e2e/test_supervisor_faults.py",
+        "tests/faults/test_engine_faults.py",
+    }
+)
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    if item.get_closest_marker("engine") is not None:
+        return ENGINE_GROUP
+    module = item.nodeid.split("::", 1)[0]
+    return SHM_COUNTING_GROUP if module in SHM_COUNTING_MODULES else module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """In an xdist worker (where collection happens), mark each test with its group and collect the real-vLLM tier
+    first (see ENGINE_GROUP)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    items.sort(key=lambda item: _xdist_group(item) != ENGINE_GROUP)  # stable: the order within a group stays
+
+
+def _xdist_workers() -> int:
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """$NEMOTRON_TEST_REDIS_URL, else 127.0.0.1:6379 db 15 if it answers, else a private redis-server."""
+    """$NEMOTRON_TEST_REDIS_URL, else 127.0.0.1:6379 db 15 if it answers, else a private redis-server.
+
+    Under several xdist workers each starts a private redis-server: the tests flush their db, and two workers
+    sharing one would wipe each other's keys.
+    """
     configured = os.environ.get(REDIS_URL_ENV)
-    if configured:
+    shared_ok = _xdist_workers() == 1
+    if configured and shared_ok:
         if not redis_answers(configured):
             pytest.fail(f"{REDIS_URL_ENV}={configured} does not answer PING", pytrace=False)
         yield configured
         return
-    if os.environ.get(REDIS_PRIVATE_ENV) != "1" and redis_answers(LOCAL_REDIS_URL):
+    if shared_ok and os.environ.get(REDIS_PRIVATE_ENV) != "1" and redis_answers(LOCAL_REDIS_URL):
         yield LOCAL_REDIS_URL
         return
     binary = _redis_server_binary()
