@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -38,11 +39,13 @@ def _redis_server_binary() -> str | None:
     return None
 
 
-# Under pytest-xdist (`-n N`, scripts/test): the tests of one xdist group run on one worker, in order. The real-vLLM
-# tier is one group, handed out first: it is the longest chain, and one CPU engine at a time is what two cores
-# carry. Every other module is a group of its own (its module fixtures start once), except the modules that
-# count the fake engine's /dev/shm files by name before and after (another worker's fake engine would add some).
+# Under pytest-xdist (`-n N --dist loadgroup`, scripts/test) the tests of one group run on one worker, in order.
+# The real-vLLM tier is one group, collected first so it is handed out first: it is the longest chain, and one CPU
+# engine at a time is what two cores carry. Every other module is a group of its own (its module fixtures start
+# once), except the modules that count the fake engine's /dev/shm files by name before and after (another worker's
+# fake engine would add some): those share one group. Groups go by path, as the scheduler sees only node ids.
 ENGINE_GROUP = "real-vllm"
+ENGINE_PATHS = ("tests/engine/", "tests/loadtest/test_profiles.py")
 SHM_COUNTING_GROUP = "fake-engine-shm"
 SHM_COUNTING_MODULES = frozenset(
     {
@@ -54,22 +57,39 @@ SHM_COUNTING_MODULES = frozenset(
 )
 
 
-def _xdist_group(item: pytest.Item) -> str:
-    if item.get_closest_marker("engine") is not None:
+def xdist_group_of(nodeid: str) -> str:
+    """The xdist group of the test `nodeid` (see ENGINE_GROUP)."""
+    module = nodeid.split("::", 1)[0]
+    if module.startswith(ENGINE_PATHS):
         return ENGINE_GROUP
-    module = item.nodeid.split("::", 1)[0]
     return SHM_COUNTING_GROUP if module in SHM_COUNTING_MODULES else module
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """In an xdist worker (where collection happens), mark each test with its group and collect the real-vLLM tier
-    first (see ENGINE_GROUP)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` with our groups: xdist's own reads `xdist_group` marks from node ids, which it can no
+    longer rewrite under pytest 9."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    config.option.loadscopereorder = False  # the collection order: the real-vLLM tier first
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker (where collection happens; it has `workerinput`), collect the real-vLLM tier first. A test
+    marked `engine` outside ENGINE_PATHS would run beside it: it is refused."""
+    if not hasattr(config, "workerinput"):
         return
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-    items.sort(key=lambda item: _xdist_group(item) != ENGINE_GROUP)  # stable: the order within a group stays
+        if item.get_closest_marker("engine") is not None and xdist_group_of(item.nodeid) != ENGINE_GROUP:
+            raise pytest.UsageError(f"{item.nodeid} is marked engine: add its module to ENGINE_PATHS in {__file__}")
+    items.sort(key=lambda item: xdist_group_of(item.nodeid) != ENGINE_GROUP)  # stable: the order within a group stays
 
 
 def _xdist_workers() -> int:
