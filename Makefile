@@ -1,5 +1,5 @@
 # The README's commands. `make test` is what CI runs.
-.PHONY: run test test-fast test-deploy lint bench soak
+.PHONY: run test test-fast test-deploy lint bench soak dashboard
 
 run:            ## the main job: install, model, Redis, a demo key, engine supervisor + gateway
 	scripts/run
@@ -16,7 +16,7 @@ test-deploy:    ## the shipped units under a real systemd (a booted Debian conta
 	.venv/bin/pytest tests/deploy -m deploy -v
 
 lint:
-	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests && .venv/bin/mypy
+	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests tools deploy && .venv/bin/mypy
 
 bench:          ## gateway overhead vs the engine directly and vs nginx (the reference proxy), without and with keys + limits
 	scripts/bootstrap
@@ -28,3 +28,7 @@ soak:           ## a bounded soak (3 min; SOAK_ARGS="--duration 900" for longer,
 	scripts/bootstrap
 	mkdir -p loadtest/results
 	.venv/bin/python -m loadtest.soak $(SOAK_ARGS)
+
+dashboard:      ## redraw deploy/grafana/nemotron-gateway.png from the monitoring test's Prometheus (a real prometheus; ~3 min)
+	scripts/bootstrap
+	NEMOTRON_TEST_DASHBOARD_PNG=deploy/grafana/nemotron-gateway.png .venv/bin/pytest tests/integration/test_monitoring.py -k dashboard_png

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs nemotron-gateway as two systemd services on a Debian/Ubuntu machine (issue 10); idempotent.
+# Installs nemotron-gateway as two systemd services on a Debian/Ubuntu machine; idempotent.
 #
 #   sudo deploy/install.sh                 install (or upgrade) from this checkout, enable the units
 #   sudo deploy/install.sh --start         ... and start them

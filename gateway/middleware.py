@@ -3,7 +3,7 @@ line, and the forwarded client address.
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed bodies pass through unbuffered and a client
 disconnect reaches the route. Never logs a key or the Authorization header; everything logged that a
-client chose is escaped first. Imports settings, errors, metrics, requestlog and types.
+client chose is escaped first. Imports settings, errors, metrics, request_record and types.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.errors import RequestTimeoutError
 from gateway.metrics import GatewayMetrics
-from gateway.requestlog import RequestRecord
+from gateway.request_record import RequestRecord
 from gateway.settings import HttpSettings
 from gateway.types import ASGIApp, Message, Receive, Scope, Send
 

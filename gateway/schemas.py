@@ -103,7 +103,7 @@ class _SamplingFields(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # Every token count is a strict, bounded integer: a negative or mistyped one would drive the up-front
-    # token charge to zero or fail the budget arithmetic (issue 12).
+    # token charge to zero or fail the budget arithmetic.
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     min_tokens: StrictInt | None = Field(None, ge=0)
@@ -118,6 +118,8 @@ class _SamplingFields(_Strict):
     stop: Any = None
     user: StrictStr | None = None
     logit_bias: dict[StrictStr, float] | None = None
+    # vLLM's cap on reasoning tokens (-1: none); a whole number, cut to the completion budget (gateway/reasoning.py).
+    thinking_token_budget: StrictInt | None = Field(None, ge=-1)
 
     _stop = field_validator("stop", mode="before")(_check_stop)
 

@@ -1,8 +1,8 @@
 """Turns a client's request body into the body sent to the engine, or a clear 400.
 
-Checks the Nemotron pitfalls (see DESIGN.md) and applies policy: model aliases, `developer` sent as `system`,
-the default system message, the reasoning switch in the served model's convention, usage always requested in
-streams. Cheap checks (the counts of messages and other lists, `gateway/bounds.py`) come before costly ones.
+Checks the Nemotron pitfalls (README, "Serving Nemotron") and applies policy: model aliases, `developer` sent as
+`system`, the default system message, the reasoning switch in the served model's convention, usage always requested
+in streams. Cheap checks (the counts of messages and other lists, `gateway/bounds.py`) come before costly ones.
 Imports settings, errors, bounds, schemas, reasoning and the relay's ModelInfo only.
 """
 
@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.bounds import ROLE_MARKER, TYPE_MARKER, BodyBounds, count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.reasoning import apply_reasoning, apply_responses_reasoning, served_switch
-from gateway.relay.model import ModelInfo
+from gateway.reasoning import apply_reasoning, apply_responses_reasoning, clamp_thinking_budget, served_switch
+from gateway.relay.served_model import ModelInfo
 from gateway.schemas import (
     ROLES,
     AnthropicCountTokensRequest,
@@ -255,7 +255,8 @@ def _serialise(data: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(data)
     except orjson.JSONEncodeError:
-        # The parser accepts nesting up to 1024 levels, the serialiser only ~254 (issue 12).
+        # The parser accepts nesting up to 1024 levels, the serialiser only ~254: refuse
+        # what the engine could not be sent, as a 400 rather than a 500.
         raise InvalidRequestError(
             "The request is nested too deeply (arrays or objects more than 250 levels inside each other); flatten it."
         ) from None
@@ -279,6 +280,7 @@ def _prepare(
     data["model"] = model
     choices = (_check_choices(data, settings) if route.stream_options else 1) * route.prompts(data)
     max_tokens = _check_budget(data, route, info)
+    clamp_thinking_budget(data, max_tokens if max_tokens is not None else info.context_length)
     if route.stream_options:
         stream, wants_usage = _apply_stream_policy(data)
     else:

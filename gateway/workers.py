@@ -1,6 +1,6 @@
 """WorkerPool: N gateway processes serving one listening socket; a dead one is replaced, all drain on SIGTERM.
 
-One gateway process relays on one core; past that, more processes (issue 11). The parent binds the
+One gateway process relays on one core; past that, more processes. The parent binds the
 socket once and forks the workers before any thread or event loop exists (so the fork is safe, and
 cheap: the modules are already imported); each worker builds its own app and serves the shared socket,
 and the kernel hands each new connection to whichever worker accepts first. Keys and limits live in

@@ -7,7 +7,8 @@
     schema    print the JSON Schema of results.json
     overhead  the gateway-overhead benchmark (`make bench`; its own flags)
 
-Imports nothing from `gateway`: targets are spoken to over HTTP, the supervisor runs as a child process.
+Of `gateway` imports only the process runner (`gateway.supervisor.process`): targets are spoken to over HTTP, the
+supervisor runs as a child process.
 """
 
 from __future__ import annotations

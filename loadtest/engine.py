@@ -3,7 +3,8 @@
 The supervisor is driven across the process boundary only: its settings through `NEMOTRON_ENGINE__*`
 variables, its state through the status file `<state dir>/engine.json`, readiness through the engine's
 `/health`. Stopping is SIGTERM to the supervisor (which drains and stops vLLM), SIGKILL after a grace
-period, and a last SIGKILL for a vLLM process group the supervisor left behind. Imports nothing from `gateway`.
+period, and a last SIGKILL for a vLLM process group the supervisor left behind. Of `gateway` it imports only
+the process runner's module.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import os
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from gateway.supervisor.process import http_status
 from loadtest.processes import BenchProcess
 
 logger = logging.getLogger(__name__)
@@ -145,11 +145,7 @@ def wait_http(url: str, within: float) -> None:
 
 
 def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as answer:
-            return bool(answer.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+    return http_status(url, timeout=2.0) == 200
 
 
 def _kill_leftover_group(pid: int) -> None:

@@ -2,7 +2,7 @@
 
 One nginx process (`master_process off`, one worker: its CPU time is one pid's) proxies to the stub engine
 over kept-alive upstream connections with buffering off, as the shipped site does for SSE. The benchmark
-runs it next to the gateway so every run prints the gateway's cost as a multiple of nginx's (issue 11).
+runs it next to the gateway so every run prints the gateway's cost as a multiple of nginx's.
 Imports nothing from `gateway`.
 """
 

@@ -2,7 +2,7 @@
 
 The gateway runs pinned to core 0; the stub engine and this process (the load generator) share core 1.
 nginx, when installed, proxies the same workload from core 0 as the reference: a C proxy's cost for the
-same bytes, so every run prints the gateway's cost per chunk as a multiple of nginx's (issue 11).
+same bytes, so every run prints the gateway's cost per chunk as a multiple of nginx's.
 Reports medians across rounds: latency direct vs gateway, saturation requests/s, and the gateway's own
 CPU time per request and per relayed chunk from /proc/<pid>/stat. Imports nothing from `gateway`.
 
@@ -37,7 +37,8 @@ from loadtest.processes import BenchProcess, can_pin, free_port, pin_self, pytho
 
 GATEWAY, ENGINE, NGINX = "gateway", "engine", "nginx"
 DIRECT = "direct"
-# Issue 11's goals; a request with a key and the Redis limiter may cost up to `ms_per_request_auth`.
+# The overhead targets (README, "Performance"); a request with a key and the Redis limiter may cost up to
+# `ms_per_request_auth`.
 TARGETS = {
     "ms_per_request": 0.6,
     "ms_per_request_auth": 1.0,

@@ -1,38 +1,35 @@
 """Benchmark subprocesses: pinned to a core, in their own process group, with their CPU time read from /proc.
 
-Imports nothing from `gateway`; everything is spoken to over HTTP.
+The runner is the project's own (`gateway.supervisor.process.LoggedProcess`, which the tests use too); the
+processes it starts are spoken to over HTTP only.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
+
+from gateway.supervisor.process import LoggedProcess, ProcessStartError, free_port
+
+__all__ = [
+    "BenchProcess",
+    "ProcessStartError",
+    "can_pin",
+    "cpu_seconds",
+    "free_port",
+    "own_cpu_seconds",
+    "pin_self",
+    "python_argv",
+    "revision",
+    "run_queue_wait_seconds",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-class ProcessStartError(RuntimeError):
-    """A benchmark process exited or never answered; the message carries its log's tail."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -68,88 +65,24 @@ def pin_self(core: int) -> None:
     os.sched_setaffinity(0, {core})
 
 
-class BenchProcess:
-    """One subprocess, optionally pinned with `taskset -c CORE`, output to a log file, stopped by process group."""
+class BenchProcess(LoggedProcess):
+    """The project's process runner (`LoggedProcess`), optionally pinned with `taskset -c CORE`, run from the
+    repository root; stopped by process group."""
 
     def __init__(
         self, name: str, argv: Sequence[str], *, core: int | None, env: Mapping[str, str] | None = None
     ) -> None:
-        self.name = name
-        self._argv = (["taskset", "-c", str(core)] if core is not None else []) + list(argv)
-        self._env = {**os.environ, **(env or {})}
-        self._log = tempfile.NamedTemporaryFile(prefix=f"loadtest-{name}-", suffix=".log", delete=False)
-        self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        """The process id (taskset execs the command, so this is the command's own pid)."""
-        if self._process is None:
-            raise ProcessStartError(f"{self.name} is not started")
-        return self._process.pid
-
-    def start(self) -> None:
-        """Spawn in a new session (own process group) so `stop` reaches every child."""
-        self._process = subprocess.Popen(
-            self._argv,
-            cwd=REPO_ROOT,
-            env=self._env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def poll(self) -> int | None:
-        """The exit code once the process has exited, else None (also None before `start`)."""
-        return None if self._process is None else self._process.poll()
+        pinned = (["taskset", "-c", str(core)] if core is not None else []) + list(argv)
+        # taskset execs the command, so `pid` is the command's own.
+        super().__init__(pinned, env={**os.environ, **(env or {})}, cwd=REPO_ROOT, name=name)
 
     def log_tail(self, size: int = 2000) -> str:
-        """The end of the process's output."""
-        self._log.flush()
-        data = Path(self._log.name).read_bytes()
-        return data[-size:].decode("utf-8", "replace")
+        """The last `size` characters of the process's output."""
+        return self.log_text()[-size:]
 
     def wait_http(self, url: str, within: float = 20.0) -> None:
         """Poll `url` until it answers 200; ProcessStartError if the process exits or time runs out."""
-        deadline = time.monotonic() + within
-        while True:
-            if self._process is not None and self._process.poll() is not None:
-                raise ProcessStartError(f"{self.name} exited with {self._process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=1.0) as answer:
-                    if answer.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() >= deadline:
-                raise ProcessStartError(f"{self.name} did not answer {url} within {within:g} s:\n{self.log_tail()}")
-            time.sleep(0.05)
-
-    def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM the process group, wait up to `grace`, then SIGKILL it."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            pgid = process.pid  # start_new_session: the group id is the leader's pid
-            os.killpg(pgid, signal.SIGTERM)
-            try:
-                process.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(pgid, signal.SIGKILL)
-                process.wait(grace)
-        self._log.close()
-        Path(self._log.name).unlink(missing_ok=True)
-        self._process = None
-
-    def __enter__(self) -> BenchProcess:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        self.wait_until_ready(url, within)
 
 
 def python_argv(module: str, *args: str) -> list[str]:

@@ -102,7 +102,7 @@ def points_table(document: dict[str, Any]) -> str:
 
 
 def profiles_table(document: dict[str, Any]) -> str:
-    """The field reports' table: profile → P50, P99 (end-to-end latency), tokens/s, GPU memory."""
+    """The profiles table: profile → P50, P99 (end-to-end latency), tokens/s, GPU memory."""
     header = ["profile", "P50", "P99", "tokens/s", "GPU memory", "TTFT P50", "tok/s per stream", "errors"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for point in document["points"]:

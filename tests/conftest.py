@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -38,16 +39,78 @@ def _redis_server_binary() -> str | None:
     return None
 
 
+# Under pytest-xdist (`-n N --dist loadgroup`, scripts/test) the tests of one group run on one worker, in order.
+# The real-vLLM tier is one group, collected first so it is handed out first: it is the longest chain, and one CPU
+# engine at a time is what two cores carry. Every other module is a group of its own (its module fixtures start
+# once), except the modules that count the fake engine's /dev/shm files by name before and after (another worker's
+# fake engine would add some): those share one group. Groups go by path, as the scheduler sees only node ids.
+ENGINE_GROUP = "real-vllm"
+ENGINE_PATHS = ("tests/engine/", "tests/loadtest/test_profiles.py")
+SHM_COUNTING_GROUP = "fake-engine-shm"
+SHM_COUNTING_MODULES = frozenset(
+    {
+        "tests/e2e/test_reaper_idle.py",
+        "tests/e2e/test_supervisor.py",
+        "tests/e2e/test_supervisor_faults.py",
+        "tests/faults/test_engine_faults.py",
+    }
+)
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The xdist group of the test `nodeid` (see ENGINE_GROUP)."""
+    module = nodeid.split("::", 1)[0]
+    if module.startswith(ENGINE_PATHS):
+        return ENGINE_GROUP
+    return SHM_COUNTING_GROUP if module in SHM_COUNTING_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` with our groups: xdist's own reads `xdist_group` marks from node ids, which it can no
+    longer rewrite under pytest 9."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    config.option.loadscopereorder = False  # the collection order: the real-vLLM tier first
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker (where collection happens; it has `workerinput`), collect the real-vLLM tier first. A test
+    marked `engine` outside ENGINE_PATHS would run beside it: it is refused."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        if item.get_closest_marker("engine") is not None and xdist_group_of(item.nodeid) != ENGINE_GROUP:
+            raise pytest.UsageError(f"{item.nodeid} is marked engine: add its module to ENGINE_PATHS in {__file__}")
+    items.sort(key=lambda item: xdist_group_of(item.nodeid) != ENGINE_GROUP)  # stable: the order within a group stays
+
+
+def _xdist_workers() -> int:
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """$NEMOTRON_TEST_REDIS_URL, else 127.0.0.1:6379 db 15 if it answers, else a private redis-server."""
+    """$NEMOTRON_TEST_REDIS_URL, else 127.0.0.1:6379 db 15 if it answers, else a private redis-server.
+
+    Under several xdist workers each starts a private redis-server: the tests flush their db, and two workers
+    sharing one would wipe each other's keys.
+    """
     configured = os.environ.get(REDIS_URL_ENV)
-    if configured:
+    shared_ok = _xdist_workers() == 1
+    if configured and shared_ok:
         if not redis_answers(configured):
             pytest.fail(f"{REDIS_URL_ENV}={configured} does not answer PING", pytrace=False)
         yield configured
         return
-    if os.environ.get(REDIS_PRIVATE_ENV) != "1" and redis_answers(LOCAL_REDIS_URL):
+    if shared_ok and os.environ.get(REDIS_PRIVATE_ENV) != "1" and redis_answers(LOCAL_REDIS_URL):
         yield LOCAL_REDIS_URL
         return
     binary = _redis_server_binary()

@@ -1,37 +1,26 @@
 """Real server processes for tests: free ports, start/ready/stop in a process group, polling, the fake engine.
 
-Imports nothing from `gateway`; the fake engine is spoken to over HTTP only.
+The runner is the project's own (`gateway.supervisor.process.LoggedProcess`, which the load tool uses too); the
+fake engine is spoken to over HTTP only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self, TypeVar, overload
 
 import httpx
 
+from gateway.supervisor.process import LoggedProcess, ProcessStartError, free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 5.0, interval: float = 0.02, message: str = "") -> T:
@@ -77,12 +66,12 @@ async def async_wait_until(
         await asyncio.sleep(interval)
 
 
-class ServerProcessError(RuntimeError):
-    """A server process exited or never became ready; the message carries the tail of its log."""
+# One name for a server that exited or never became ready, whichever runner raised it.
+ServerProcessError = ProcessStartError
 
 
-class ServerProcess:
-    """A subprocess in its own process group, logged to a temp file, ready when its URL or check answers.
+class ServerProcess(LoggedProcess):
+    """The project's process runner (`LoggedProcess`) for a test's server: ready when its URL or check answers.
 
     `with ServerProcess(argv, ready_url=...) as proc:` starts and waits; leaving the block stops it:
     SIGTERM to the group, up to `stop_timeout` seconds, then SIGKILL to the group.
@@ -101,45 +90,18 @@ class ServerProcess:
         stop_timeout: float = 5.0,
         port: int | None = None,
     ) -> None:
-        self.argv = [str(arg) for arg in argv]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.cwd = Path(cwd) if cwd is not None else REPO_ROOT
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        super().__init__(argv, env=environment, cwd=cwd if cwd is not None else REPO_ROOT)
         self.ready_url = ready_url
         self.ready_status = ready_status
         self.ready_check = ready_check
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.port = port
-        self.returncode: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_path: Path | None = None
-        self._final_log: str | None = None
-
-    @property
-    def pid(self) -> int:
-        if self._proc is None:
-            raise RuntimeError("process not started")
-        return self._proc.pid
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def start(self, wait: bool = True) -> Self:
-        fd, name = tempfile.mkstemp(prefix="server-", suffix=".log")
-        self._log_path = Path(name)
-        try:
-            self._proc = subprocess.Popen(
-                self.argv,
-                cwd=self.cwd,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=fd,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            os.close(fd)
+        """Spawn it and, with `wait`, block until ready (stopping it again if it never is)."""
+        super().start()
         if wait:
             try:
                 self.wait_ready()
@@ -150,70 +112,12 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the ready URL answers `ready_status` (or `ready_check()` is true); raise if it exits."""
-        deadline = time.monotonic() + (self.start_timeout if timeout is None else timeout)
-        with httpx.Client(timeout=1.0) as client:
-            while True:
-                if self._proc is None or self._proc.poll() is not None:
-                    raise ServerProcessError(f"{self.argv[0]} exited before ready:\n{self.tail()}")
-                if self._is_ready(client):
-                    return
-                if time.monotonic() >= deadline:
-                    raise ServerProcessError(f"{self.argv[0]} not ready after {self.start_timeout}s:\n{self.tail()}")
-                time.sleep(0.05)
-
-    def _is_ready(self, client: httpx.Client) -> bool:
-        if self.ready_check is not None and not self.ready_check():
-            return False
-        if self.ready_url is None:
-            return True
-        try:
-            return client.get(self.ready_url).status_code == self.ready_status
-        except httpx.TransportError:
-            return False
-
-    def send_signal(self, sig: int) -> None:
-        """Signal the whole process group."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, sig)
+        within = self.start_timeout if timeout is None else timeout
+        self.wait_until_ready(self.ready_url, within, status=self.ready_status, check=self.ready_check)
 
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGTERM the group, wait up to `timeout` (default `stop_timeout`), then SIGKILL it; the exit code."""
-        proc = self._proc
-        # poll() first: once the leader is reaped its pid (= the group id) may belong to someone else.
-        if proc is not None and proc.poll() is None:
-            self.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout if timeout is None else timeout)
-            except subprocess.TimeoutExpired:
-                self.send_signal(signal.SIGKILL)
-                proc.wait()
-        if proc is not None:
-            self.returncode = proc.returncode
-        if self._log_path is not None and self._final_log is None:
-            self._final_log = self._log_path.read_text(errors="replace")
-            self._log_path.unlink(missing_ok=True)
-        return self.returncode
-
-    def log_text(self) -> str:
-        """Everything the process wrote to stdout and stderr so far."""
-        if self._final_log is not None:
-            return self._final_log
-        if self._log_path is None:
-            return ""
-        return self._log_path.read_text(errors="replace")
-
-    def tail(self, lines: int = 50) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def __enter__(self) -> Self:
-        if self._proc is None:
-            self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return super().stop(self.stop_timeout if timeout is None else timeout)
 
 
 def fake_engine_argv(port: int, **options: Any) -> list[str]:

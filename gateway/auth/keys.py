@@ -1,6 +1,6 @@
 """API keys: the secret's format, its keyed hash, and the key record the rest of the gateway sees.
 
-Pure code, no I/O; imports errors and settings only. The secret itself never leaves `generate_secret`'s
+Pure code, no I/O; imports errors only. The secret itself never leaves `generate_secret`'s
 caller and `KeyHasher.digest`: records carry a digest and a short display prefix, never the secret.
 """
 

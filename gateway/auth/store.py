@@ -1,7 +1,8 @@
 """KeyStore: API key records in Redis, a short in-process cache, and pub/sub invalidation across processes.
 
-Imports errors, settings, metrics, auth.keys and redis_client, whose boundary (`RedisCalls`) maps Redis failures to
-KeyStoreUnavailableError. Redis holds digests only; secrets are never stored, logged, or put in messages.
+Imports errors, settings, metrics, auth.keys, auth.audit, auth.scripts and redis_client, whose boundary
+(`RedisCalls`) maps Redis failures to KeyStoreUnavailableError. Redis holds digests only; secrets are never
+stored, logged, or put in messages.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ class KeyStore:
         self._redis = redis
         self._settings = settings.auth
         self._hasher = KeyHasher(settings.auth.secret)
-        self._calls = RedisCalls(settings, metrics)
+        self._calls = RedisCalls(settings.redis, metrics)
         # Every change below is recorded, with `operator` (default: the OS user), in the audit trail.
         self.audit = KeyAudit(redis, self._calls, settings.auth.audit_max_entries, operator)
-        # A revoked or changed key's per-key series stop being exported (bounded cardinality, issue 9).
+        # A revoked or changed key's per-key series stop being exported (the per-key series stay bounded).
         self._metrics = metrics
         self._cache: dict[str, _Entry] = {}
         # Digests that authenticated in this process (insertion-ordered, bounded): a client address blocked

@@ -17,7 +17,7 @@ from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, failed, gib, passed, skipped, warned
 from gateway.doctor.fatbin import cuda_archs
 from gateway.doctor.nvml import GpuReadings
-from gateway.supervisor.presets import GpuNeeds
+from gateway.engine.presets import GpuNeeds
 
 # Lowest driver branch for each CUDA toolkit version (NVIDIA's CUDA release notes, table 3).
 _DRIVER_FOR_CUDA = {(11, 8): "520", (12, 0): "525", (12, 4): "550", (12, 6): "560", (12, 8): "570", (13, 0): "580"}

@@ -27,6 +27,12 @@ PRESET_GPUS = Row("GPUs for the preset", fatal=True)
 CUDA_VISIBLE_DEVICES = Row("CUDA_VISIBLE_DEVICES", fatal=True)
 PCIE = Row("PCIe link")
 DEVICE_NODES = Row("GPU device nodes")
+# An engine on several GPUs (multigpu.py).
+GPU_COUNT = Row("GPUs for parallelism", fatal=True)
+GPU_ACCESS = Row("GPUs usable (cgroup)", fatal=True)
+PEER_LINKS = Row("GPU peer links")
+NCCL_ENV = Row("NCCL environment")
+GPU_PROCESSES = Row("other GPU processes")
 
 CGROUP = Row("cgroup")
 OPEN_FILES = Row("open files (ulimit -n)")
@@ -41,13 +47,27 @@ MODEL_DIRECTORY = Row("model directory", fatal=True)
 MODEL_CONFIG = Row("model config", fatal=True)
 TOKENIZER = Row("tokenizer", fatal=True)
 CHAT_TEMPLATE = Row("chat template")
-# Served without its parser, a reasoning model's `</think>` leaks into content and streaming clients hang (issue 8).
+# Served without its parser, a reasoning model's `</think>` leaks into content and streaming clients hang.
 REASONING_PARSER = Row("reasoning parser", fatal=True)
 BOS = Row("BOS token")
 ROPE_THETA = Row("rope_theta")
 CONTEXT_LENGTH = Row("context length", fatal=True)
 
-GPU_ROWS = (GPU_PRESENT, DRIVER, FLASH_ATTN, GPU_MEMORY, PRESET_GPUS, CUDA_VISIBLE_DEVICES, PCIE, DEVICE_NODES)
+GPU_ROWS = (
+    GPU_PRESENT,
+    DRIVER,
+    FLASH_ATTN,
+    GPU_MEMORY,
+    PRESET_GPUS,
+    CUDA_VISIBLE_DEVICES,
+    PCIE,
+    DEVICE_NODES,
+    GPU_COUNT,
+    GPU_ACCESS,
+    PEER_LINKS,
+    NCCL_ENV,
+    GPU_PROCESSES,
+)
 HOST_ROWS = (CGROUP, OPEN_FILES, DISK, PROXY, REDIS, ENGINE_PORT, VLLM_VERSION)
 MODEL_ROWS = (
     MODEL_DIRECTORY,

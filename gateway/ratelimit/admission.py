@@ -6,8 +6,9 @@ Redis with `mark`: the value of the gateways' shared admission counter `TRANSIT`
 judged by one Lua script (one round trip) against the newest scrape plus every admission counted since its
 mark, so a burst between two scrapes cannot overshoot the bound, whichever worker or host admits it. It is
 kept out of the per-key limiter's script on purpose: that one's keys carry the key's hash tag, these are one
-per engine, and a Redis Cluster runs a script on the keys of one slot only. A scrape older than a few
-intervals expires, and without one nothing is refused: the engine monitor answers for a down engine.
+per engine, and a Redis Cluster runs a script on the keys of one slot only. A scrape not refreshed
+for 30 intervals (at least 60 s) expires, and without one nothing is refused: the engine monitor answers for a
+down engine.
 
 The tier rule: priority p is in tier min(p, len(shares) - 1); it is refused with 429 once waiting requests
 reach max(1, max_waiting x shares[tier]), and with 503 once the KV-cache use reaches max_kv_cache_use x
@@ -32,20 +33,23 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis_asyncio
 
+from gateway.engine.state import STATUS_FILE, launched_sequence_slots
 from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import RedisCalls
 from gateway.settings import AdmissionSettings, Settings
-from gateway.supervisor.state import STATUS_FILE, launched_sequence_slots
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "nemotron:admission:"
 _UNAVAILABLE = "The admission store is unavailable; retry shortly."
 # A published scrape lives this many scrape intervals (at least `_MIN_TTL_MS`): a gateway that stopped
-# scraping (engine down, every worker gone) must not leave a stale queue refusing work.
-_SCRAPES_KEPT = 5
-_MIN_TTL_MS = 5000
+# scraping (engine down, every worker gone) must not leave a stale queue refusing work, yet a saturated engine's
+# /metrics often outlasts the probe timeout, and a scrape that expired after a few such misses let every request
+# in (on the H200, 3,014 batch requests admitted against a bound of 240 held). Kept longer, the last scrape plus
+# every admission counted since it errs on the safe side until a scrape gets through.
+_SCRAPES_KEPT = 30
+_MIN_TTL_MS = 60_000
 # Seconds between taking the mark and scraping: a request admitted just before the mark has this long to reach
 # the engine and show in its gauges (one admitted within it is counted twice until the next scrape: on the
 # safe side).
@@ -169,7 +173,7 @@ class EngineAdmission:
         self._settings = settings.admission
         self._fail_open = settings.limits.fail_open
         self._metrics = metrics
-        self._calls = RedisCalls(settings, metrics)
+        self._calls = RedisCalls(settings.redis, metrics)
         name = engine_id(settings)
         self._keys = [f"{_PREFIX}{{{name}}}:load", f"{_PREFIX}{{{name}}}:admitted"]
         self._admit = redis.register_script(ADMIT)

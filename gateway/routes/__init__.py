@@ -1,4 +1,6 @@
-"""HTTP routes; each module exports `router`, and `table` declares every served route once.
+"""HTTP routes: `table` declares every served route once; `health`, `metrics` and `openai` export a FastAPI
+`router` for the rows without a handler; `openai` and `stored` hold the handlers the dispatcher calls directly;
+`context` is what every handler takes from its request (services, record, the caller's key).
 
 Only `gateway.app` imports this package.
 """

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from gateway.deps import get_services
-from gateway.relay.shared import SharedEngineState
+from gateway.relay.engine_state import SharedEngineState
+from gateway.routes.context import get_services
 
 router = APIRouter()
 

@@ -14,10 +14,10 @@ from fastapi import Request
 from redis.exceptions import RedisError
 
 from gateway.auth import ApiKey
-from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import InvalidRequestError, KeyStoreUnavailableError, ResponseNotFoundError
 from gateway.relay.shapes import RESPONSES
-from gateway.requestlog import RequestRecord
+from gateway.request_record import RequestRecord
+from gateway.routes.context import get_record, get_services, require_api_key
 from gateway.services import Services
 from gateway.types import ASGIApp
 from gateway.validation import STORE_OFF, PreparedRequest, parse_json_object
@@ -101,7 +101,6 @@ async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
         stream=stream,
         strip_usage=False,
         headers={},
-        settle=None,
         shape=RESPONSES,
         method="POST" if cancel else "GET",
     )

@@ -1,5 +1,7 @@
-"""The supervisor's verbs: `engine` (foreground supervisor), `engine status`, `engine profiles`, `engine presets`,
-`engine --print-argv` (the command line, nothing started), and `up`.
+"""What the supervisor's verbs run: `engine` (foreground supervisor), `engine status`, `engine profiles`,
+`engine presets`, `engine --print-argv` (the command line, nothing started), and `up`. Their flags are
+declared once, in `gateway.cli`, for both names of the engine command (`nemotron-gateway engine`,
+`nemotron-engine`).
 
 `up` runs the supervisor in this process and the gateway (`nemotron-gateway serve`) as a guarded child:
 one foreground process tree for a single machine. A gateway that exits by itself is restarted with
@@ -10,7 +12,6 @@ reads, so it checks the configuration that is running. Never imports the HTTP ap
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -26,14 +27,13 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from gateway.doctor import doctor_config, fatal_failures, render_table, run_checks
+from gateway.engine.launch import ENGINE_KEY_VARIABLE, VllmNotInstalled, added_variables, prepare, unchecked_argv
+from gateway.engine.presets import load_presets
+from gateway.engine.profiles import Profile, ProfileError, load_profiles, option_names
+from gateway.engine.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
 from gateway.metrics import SupervisorMetrics
-from gateway.settings import Settings, unknown_variables
-from gateway.supervisor.flags import add_engine_arguments, engine_overrides
-from gateway.supervisor.launch import ENGINE_KEY_VARIABLE, VllmNotInstalled, prepare, unchecked_argv
-from gateway.supervisor.presets import load_presets
-from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.profiles import Profile, ProfileError, load_profiles, option_names
-from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
+from gateway.settings import EngineSettings, Settings
+from gateway.supervisor.process import GuardedProcess, process_names
 from gateway.supervisor.supervisor import EngineSupervisor
 
 logger = logging.getLogger(__name__)
@@ -42,14 +42,14 @@ logger = logging.getLogger(__name__)
 _GATEWAY_BACKOFF_INITIAL = 1.0
 _GATEWAY_BACKOFF_MAX = 30.0
 _GATEWAY_STABLE = 60.0
-# The engine settings written to RUNNING_ENV.
 # Flags of the gateway's own settings, which every vLLM release has: left out of the unchecked list.
 _EVERY_VLLM_HAS = frozenset(("--model", "--host", "--port", "--served-model-name", "--max-model-len"))
+# The engine settings written to RUNNING_ENV.
 _RUNNING_FIELDS = ("model", "profile", "preset", "profiles_file", "served_model_name", "port", "state_dir")
 
 
-def _status_path(settings: Settings) -> Path:
-    return settings.engine.state_dir / STATUS_FILE
+def _status_path(engine: EngineSettings) -> Path:
+    return engine.state_dir / STATUS_FILE
 
 
 def write_running_env(settings: Settings) -> None:
@@ -69,16 +69,16 @@ def write_running_env(settings: Settings) -> None:
 
 
 def quiet_probe_loggers() -> None:
-    """httpx logs every request at INFO: one line per liveness check (issue 12's ~54 lines a minute)."""
+    """httpx logs every request at INFO: one line per liveness check (some 54 a minute)."""
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def show_status(settings: Settings, *, as_json: bool) -> int:
+def show_status(engine: EngineSettings, *, as_json: bool) -> int:
     """Print the supervisor's last status; exit 0 when the engine is ready, 1 otherwise."""
-    status = read_status(_status_path(settings))
+    status = read_status(_status_path(engine))
     if status is None:
-        sys.stdout.write(f"no engine supervisor status at {_status_path(settings)}\n")
+        sys.stdout.write(f"no engine supervisor status at {_status_path(engine)}\n")
         return 1
     alive = pid_alive(status.supervisor_pid)
     if not alive and status.state not in (EngineState.STOPPED, EngineState.FAILED):
@@ -94,6 +94,8 @@ def show_status(settings: Settings, *, as_json: bool) -> int:
             ("model", status.model),
             ("engine", status.engine_url),
             ("engine pid", f"{status.engine_pid or '-'} (vLLM; process group {status.group_pid or '-'})"),
+            ("processes", _processes_text(status.processes)),
+            ("GPUs", _gpus_text(status)),
             ("supervisor pid", f"{status.supervisor_pid} ({'running' if alive else 'not running'})"),
             ("restarts", str(status.restarts)),
             ("last exit code", "-" if status.last_exit_code is None else str(status.last_exit_code)),
@@ -104,14 +106,25 @@ def show_status(settings: Settings, *, as_json: bool) -> int:
     return 0 if status.state == EngineState.READY and alive else 1
 
 
+def _processes_text(pids: list[int]) -> str:
+    """The engine's processes with the names vLLM gives them (`VLLM::Worker_TP1`), those still alive."""
+    names = process_names(pids)
+    return ", ".join(f"{pid} {names[pid]}" for pid in pids if pid in names) or "-"
+
+
+def _gpus_text(status: EngineStatus) -> str:
+    parallel = f"tensor parallel {status.tensor_parallel_size}, data parallel {status.data_parallel_size}"
+    return f"{status.gpus or 'all visible'} ({parallel})"
+
+
 def _clock(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
-def show_profiles(settings: Settings) -> int:
+def show_profiles(engine: EngineSettings) -> int:
     """List the engine profiles and their flags."""
     try:
-        profiles = load_profiles(settings.engine.profiles_file)
+        profiles = load_profiles(engine.profiles_file)
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway: {exc}\n")
         return 2
@@ -126,11 +139,11 @@ def _flags_text(flags: Mapping[str, object]) -> str:
     return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items() if v is not False)
 
 
-def show_presets(settings: Settings) -> int:
+def show_presets(engine: EngineSettings) -> int:
     """List the model presets: flags, context length, how each model switches reasoning, the GPUs its checkpoint
     needs and the oldest vLLM that serves it."""
     try:
-        presets = load_presets(settings.engine.profiles_file)
+        presets = load_presets(engine.profiles_file)
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway: {exc}\n")
         return 2
@@ -159,7 +172,7 @@ def print_argv(settings: Settings) -> int:
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway engine: {exc}\n")
         return 2
-    added = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    added = added_variables(env)
     if ENGINE_KEY_VARIABLE in added:
         added[ENGINE_KEY_VARIABLE] = "<NEMOTRON_ENGINE_API_KEY>"  # a secret: named, never printed
     sys.stdout.write(shlex.join(argv) + "\n")
@@ -288,7 +301,7 @@ async def _up(supervisor: EngineSupervisor, new_gateway: Callable[[], GuardedPro
             break
         if stop_wait.done() or engine_task.done():
             break
-        # The gateway holds no model: restart it and keep the engine (minutes to reload) running (issue 12).
+        # The gateway holds no model: restart it and keep the engine (minutes to reload) running.
         failures = 1 if time.monotonic() - started > _GATEWAY_STABLE else failures + 1
         delay = min(_GATEWAY_BACKOFF_MAX, _GATEWAY_BACKOFF_INITIAL * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
         logger.error(
@@ -305,16 +318,3 @@ async def _up(supervisor: EngineSupervisor, new_gateway: Callable[[], GuardedPro
     with contextlib.suppress(asyncio.CancelledError):
         await stop_wait
     return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m gateway.supervisor [--model M] [--profile P] [--env-file F]`: the engine supervisor alone."""
-    parser = argparse.ArgumentParser(prog="python -m gateway.supervisor")
-    add_engine_arguments(parser)
-    parser.add_argument("--env-file", type=Path, help="read NEMOTRON_* settings from this file as well")
-    args = parser.parse_args(argv)
-    settings = Settings(_env_file=args.env_file, engine=engine_overrides(args))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for warning in unknown_variables(args.env_file):
-        logger.warning("%s", warning)
-    return run_engine(settings)

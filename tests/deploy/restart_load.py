@@ -1,4 +1,4 @@
-"""`systemctl restart nemotron-gateway` under load, run INSIDE the deploy container (issue 10).
+"""`systemctl restart nemotron-gateway` under load, run INSIDE the deploy container.
 
 Non-streamed requests in closed loops and streams in flight, directly and through nginx; once every loop
 has been answered and every stream has its first token, the gateway is restarted; the loops go on until

@@ -1,4 +1,4 @@
-"""The shipped units under a real systemd (issue 10): installed by deploy/install.sh into a booted Debian
+"""The shipped units under a real systemd: installed by deploy/install.sh into a booted Debian
 container (tests/deploy/container.py), Redis and nginx inside, the fake engine as vLLM.
 
 One container for the module, in the order an operator meets things: install (twice: idempotent), the
@@ -39,7 +39,7 @@ NEMOTRON_ENGINE__PROFILE=cpu-dev
 NEMOTRON_ENGINE__RUN_DOCTOR=false
 NEMOTRON_SHUTDOWN_GRACE={GRACE:g}
 """
-# `systemd-analyze security` exposure of the units before issue 10 (engine 9.2 UNSAFE, gateway 8.5 EXPOSED);
+# `systemd-analyze security` exposure of the units before they were hardened (engine 9.2 UNSAFE, gateway 8.5 EXPOSED);
 # the shipped ones must not be worse (they score 3.4 and 1.5).
 EXPOSURE_BEFORE = {"nemotron-engine.service": 9.2, "nemotron-gateway.service": 8.5}
 FIGURES: dict[str, object] = {}

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gateway import demo_model
+from tools import demo_model
 
 _STAMP = ".demo-model-source"
 
@@ -19,7 +19,7 @@ def vllm_installed() -> bool:
 
 
 def ensure_demo_model(cache_root: Path) -> Path:
-    """`cache_root/demo-model`, written once and rewritten only when gateway/demo_model.py changes."""
+    """`cache_root/demo-model`, written once and rewritten only when tools/demo_model.py changes."""
     target = cache_root / "demo-model"
     source = Path(demo_model.__file__).read_bytes()
     stamp = hashlib.sha256(source).hexdigest()

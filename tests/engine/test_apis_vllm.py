@@ -22,11 +22,11 @@ import httpx
 import openai
 import pytest
 
-from gateway import demo_model
 from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import gateway_cli, running_up, up_settings
 from tests.engine.test_nemotron_presets import OPERATOR_PRESETS, _plugin_path, _token_id
 from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
+from tools import demo_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

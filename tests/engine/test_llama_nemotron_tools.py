@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from gateway import demo_model
-from gateway.supervisor.presets import load_presets, select_preset
+from gateway.engine.presets import load_presets, select_preset
 from tests.engine import _vllm
 from tests.engine.test_nemotron_presets import WEATHER_TOOL
 from tests.procs import REPO_ROOT

@@ -1,6 +1,6 @@
 """The shipped scrape config against the real `vllm serve` (CPU build, demo model) under `nemotron-gateway up`:
 vLLM's own metrics reach a real Prometheus through the gateway's /metrics/engine relay, as their own job, and
-the dashboard's engine panels have data (issue 9). One engine start.
+the dashboard's engine panels have data. One engine start.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from loadtest.dashboard import load_dashboard, panel_queries
+from deploy.grafana.dashboard import load_dashboard, panel_queries
 from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import running_up, up_settings
 from tests.integration.test_monitoring import PROMETHEUS_DIR, _prometheus, _scrape_config

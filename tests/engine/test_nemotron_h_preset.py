@@ -1,4 +1,4 @@
-"""The `nemotron-nano-9b-v2` preset, unchanged, on a real hybrid-Mamba engine (issue 8): the CPU build of vLLM serves
+"""The `nemotron-nano-9b-v2` preset, unchanged, on a real hybrid-Mamba engine: the CPU build of vLLM serves
 a tiny NemotronHForCausalLM (Nano-9B-v2's layer layout, random weights through `--load-format dummy`) with the
 preset's flags (`--mamba-ssm-cache-dtype float32`, `--reasoning-parser nemotron_v3`, `--tool-call-parser
 nemotron_json`); the reasoning switch reaches the rendered prompt, a `<TOOLCALL>` comes back as `tool_calls`, and
@@ -20,12 +20,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import demo_model
 from tests.engine import _vllm
 from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import running_up, up_settings
 from tests.engine.test_nemotron_presets import WEATHER_TOOL, Stack, _plugin_path, _token_id
 from tests.procs import free_port
+from tools import demo_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

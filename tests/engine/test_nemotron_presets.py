@@ -1,4 +1,4 @@
-"""Serving Nemotron right on the real engine (issue 8), one `vllm serve` start for the module: a demo model with
+"""Serving Nemotron right on the real engine, one `vllm serve` start for the module: a demo model with
 seeded chat-format defects (its template writes BOS twice and fails without a system message) is flagged by the
 doctor, fixed by a model preset (engine_patches' shipped template), and answers through the gateway with one BOS;
 the reasoning switch reaches the prompt vLLM renders; the engine_patches plugin is loaded by vLLM and its
@@ -25,13 +25,13 @@ import httpx
 import openai
 import pytest
 
-from gateway import demo_model
 from gateway.doctor.check import Status
 from gateway.doctor.model import ModelFlags, check_model_dir
 from tests.engine import _vllm
 from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import running_up, up_settings
 from tests.procs import REPO_ROOT, ServerProcess, free_port
+from tools import demo_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 
 from gateway.supervisor.process import group_members, shared_memory_inodes
 from tests.engine.conftest import CACHE_ROOT
+from tests.engine.stacks import share_flag_list
 from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -64,11 +64,7 @@ def shm_inodes_now() -> set[int]:
 
 @pytest.fixture(scope="module")
 def supervisor(demo_model_dir: str) -> Iterator[ServerProcess]:
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    # The flag list of this vLLM (`--help=all`, ~35 s) may already be cached by test_stack's state dir.
-    for cached in (CACHE_ROOT / "engine-tests").glob("vllm-flags-*.txt"):
-        if not (STATE_DIR / cached.name).exists():
-            shutil.copy(cached, STATE_DIR / cached.name)
+    share_flag_list(STATE_DIR)
     port = free_port()
     env = {
         "NEMOTRON_ENGINE__MODEL": demo_model_dir,

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.dashboard import load_dashboard, panel_queries, render
+from deploy.grafana.dashboard import load_dashboard, panel_queries, render
 from tests.e2e.supervised import start_supervisor, status
 from tests.integration.test_keys_limits import PEPPER, UNKNOWN_SECRET, create_keys, keys_cli
 from tests.procs import REPO_ROOT, ServerProcess, free_port, run_gateway, wait_until

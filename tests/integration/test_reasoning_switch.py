@@ -1,4 +1,4 @@
-"""The reasoning switch through the real gateway (issue 8): for each model convention, the body the engine
+"""The reasoning switch through the real gateway: for each model convention, the body the engine
 receives, as the fake engine recorded it, is exactly what that model expects; the OpenAI SDK's own
 `reasoning_effort` and `developer` role work unchanged."""
 

@@ -22,11 +22,11 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from vllm.engine.arg_utils import EngineArgs
 
-from gateway.demo_model import write_demo_model
 from gateway.doctor.check import Check, Status
 from gateway.doctor.engine_config import NOT_INSTALLED
 from gateway.doctor.runner import DoctorConfig, run_checks
 from tests.unit.doctor.samples import by_name
+from tools.demo_model import write_demo_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,9 +1,9 @@
 """The shipped Grafana dashboard's panels drawn from a Prometheus, as one PNG (matplotlib, Agg canvas): what an
 operator sees before installing Grafana, rendered from real scrapes.
 
-`python -m loadtest.dashboard --prometheus http://127.0.0.1:9090 --minutes 10 --out dashboard.png`. Each panel's
-PromQL is taken from deploy/grafana/nemotron-gateway.json as Grafana would run it (`$__rate_interval` replaced).
-Imports nothing from `gateway`.
+`python -m deploy.grafana.dashboard --prometheus http://127.0.0.1:9090 --minutes 10 --out dashboard.png`. Each panel's
+PromQL is taken from nemotron-gateway.json beside it as Grafana would run it (`$__rate_interval` replaced).
+Imports nothing from `gateway`; needs matplotlib (the `loadtest` extra).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import httpx
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "nemotron-gateway.json"
+DASHBOARD = Path(__file__).resolve().parent / "nemotron-gateway.json"
 # What Grafana's `$__rate_interval` becomes here: at least four scrapes of the test's one-second interval.
 RATE_INTERVAL = "15s"
 _COLUMNS = 3

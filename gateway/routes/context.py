@@ -1,7 +1,7 @@
-"""Request-scoped helpers for route handlers: the app's services, the request record, the API key.
+"""What a route handler takes from its request: the app's services, the request record, the caller's API key.
 
-Plain functions rather than FastAPI `Depends` on the completion routes: those skip FastAPI's
-dependency solving on the hot path (see `app._CompletionRoutes`).
+Plain functions rather than FastAPI `Depends`: the hot routes are called by `app._Dispatcher` directly,
+without FastAPI's dependency solving (see `routes/table.py`), and the routers' handlers call them the same way.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from fastapi import Request
 
 from gateway.auth import ApiKey
 from gateway.errors import AuthenticationError
-from gateway.requestlog import RequestRecord
+from gateway.request_record import RequestRecord
 from gateway.services import Services
 
 _MISSING_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...' (or 'x-api-key: sk-...')."

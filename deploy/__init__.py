@@ -1,0 +1,1 @@
+"""What the repository ships for a deployment beside the package: units, site configs, monitoring."""

@@ -1,0 +1,1 @@
+"""The Grafana dashboard (nemotron-gateway.json) and its renderer from a Prometheus (dashboard.py)."""
