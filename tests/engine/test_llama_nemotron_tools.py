@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from gateway import demo_model
 from gateway.engine.presets import load_presets, select_preset
 from tests.engine import _vllm
 from tests.engine.test_nemotron_presets import WEATHER_TOOL
 from tests.procs import REPO_ROOT
+from tools import demo_model
 
 # Importing vLLM in this process (its renderer and parser are what is checked) imports torch, which warns of its own
 # deprecations.
