@@ -43,6 +43,50 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a gateway's forked workers), from /proc/<pid>/task/*/children; a process that
+    is gone by the time it is read is left out."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children", "rb") as children:
+                    pending.extend(int(child) for child in children.read().split())
+            except OSError:
+                continue
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> tuple[float, float]:
+    """(utime, stime) summed over `pid` and its descendants, in seconds; a process that exits while it is read
+    (a replaced worker) counts what it spent until then, or nothing."""
+    user = system = 0.0
+    for member in process_tree(pid):
+        try:
+            u, s = cpu_seconds(member)
+        except OSError:
+            continue
+        user, system = user + u, system + s
+    return user, system
+
+
+def tree_run_queue_wait_seconds(pid: int) -> float:
+    """run_queue_wait_seconds summed over `pid` and its descendants (each worker's event loop)."""
+    total = 0.0
+    for member in process_tree(pid):
+        try:
+            total += run_queue_wait_seconds(member)
+        except OSError:
+            continue
+    return total
+
+
 def run_queue_wait_seconds(pid: int) -> float:
     """Seconds the process's main thread (the event loop) spent runnable but waiting for a CPU.
 
@@ -72,11 +116,18 @@ class BenchProcess:
     """One subprocess, optionally pinned with `taskset -c CORE`, output to a log file, stopped by process group."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], *, core: int | None, env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        core: int | None,
+        env: Mapping[str, str] | None = None,
+        inherit: bool = True,
     ) -> None:
         self.name = name
         self._argv = (["taskset", "-c", str(core)] if core is not None else []) + list(argv)
-        self._env = {**os.environ, **(env or {})}
+        # `inherit=False`: `env` is the whole environment, not additions to this process's.
+        self._env = {**(os.environ if inherit else {}), **(env or {})}
         self._log = tempfile.NamedTemporaryFile(prefix=f"loadtest-{name}-", suffix=".log", delete=False)
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -150,6 +201,38 @@ class BenchProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def redis_server_binary() -> str:
+    """The redis-server executable; SystemExit when none is installed."""
+    found = shutil.which("redis-server") or next(
+        (p for p in ("/usr/sbin/redis-server", "/usr/bin/redis-server") if os.access(p, os.X_OK)), None
+    )
+    if found is None:
+        raise SystemExit("no redis-server found: install it or pass --redis-url")
+    return found
+
+
+def redis_process(port: int, core: int | None) -> BenchProcess:
+    """A private, memory-only redis-server on 127.0.0.1:`port` (a benchmark never touches a shared Redis)."""
+    argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return BenchProcess("redis", argv, core=core)
+
+
+def wait_redis(port: int, within: float = 20.0) -> None:
+    """Poll 127.0.0.1:`port` with PING until Redis answers +PONG; ProcessStartError when time runs out."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            raise ProcessStartError(f"redis on port {port} did not answer PING within {within:g} s")
+        time.sleep(0.05)
 
 
 def python_argv(module: str, *args: str) -> list[str]:
