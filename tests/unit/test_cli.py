@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -99,3 +100,13 @@ def test_misspelt_env_file_line_is_named_before_the_configuration_error(
     err = capsys.readouterr().err
     assert f"NEMOTRON_ENGINE__SERVED_MODEL_NAM (in the {env_file}) is not a setting" in err
     assert "did you mean NEMOTRON_ENGINE__SERVED_MODEL_NAME?" in err
+
+
+def test_log_lines_read_as_loggings_own_format_within_a_second_and_across_seconds() -> None:
+    # The date and time are formatted once a second; every line must still read as logging's own formatter writes it.
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    ours, theirs = cli.LineFormatter(fmt), logging.Formatter(fmt)
+    for created in (1_764_605_000.001, 1_764_605_000.999, 1_764_605_001.5, 1_764_605_000.25):
+        record = logging.LogRecord("gateway.access", logging.INFO, "", 0, "line %d", (7,), None)
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        assert ours.format(record) == theirs.format(record)
