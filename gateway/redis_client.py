@@ -24,10 +24,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Final, TypeVar
 
 import redis.asyncio as redis_asyncio
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -57,6 +58,55 @@ _HEALTH_CHECK_INTERVAL: Final = 30
 _LISTEN_WAIT: Final = 10.0
 
 
+class _InlineWrite(AbstractConnection):
+    """A redis-py connection that writes a command in the caller's task when the write cannot wait.
+
+    redis-py bounds every write by `socket_timeout` with `asyncio.wait_for`, which runs it in a task of its own:
+    a task, its scheduling and one more event-loop turn per command (with keys and limits on, that was a tenth of
+    the gateway's CPU per request, py-spy under the overhead benchmark). A write to a connected transport with
+    nothing buffered goes straight into the kernel's buffer and cannot time out, so it is done here; anything
+    else (not connected, a health check due, a closing or backed-up transport) takes redis-py's own path.
+    """
+
+    async def send_packed_command(self, command: str | bytes | Iterable[bytes], check_health: bool = True) -> None:
+        writer = self._writer
+        health_due = self.health_check_interval and asyncio.get_running_loop().time() > self.next_health_check
+        if (
+            writer is None
+            or self._reader is None
+            or writer.transport.is_closing()
+            or writer.transport.get_write_buffer_size()
+            or (check_health and health_due)
+        ):
+            await super().send_packed_command(command, check_health)
+            return
+        if isinstance(command, str):
+            command = command.encode()
+        try:
+            writer.writelines([command] if isinstance(command, bytes) else command)
+        except BaseException as exc:  # as redis-py: a connection whose write failed is not used again
+            await self.disconnect(nowait=True)
+            if isinstance(exc, OSError):
+                raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
+            raise
+
+
+_INLINE_CLASSES: dict[type[AbstractConnection], type[AbstractConnection]] = {}
+
+
+def _inline_writes(client: redis_asyncio.Redis) -> redis_asyncio.Redis:
+    """`client` whose pool makes its connections of its own class (plain, TLS, Unix socket, Sentinel-managed)
+    with `_InlineWrite` in front."""
+    pool = client.connection_pool
+    base = pool.connection_class
+    if not issubclass(base, _InlineWrite):
+        derived = _INLINE_CLASSES.get(base)
+        if derived is None:
+            derived = _INLINE_CLASSES[base] = type(f"Inline{base.__name__}", (_InlineWrite, base), {})
+        pool.connection_class = derived
+    return client
+
+
 def connect_redis(settings: Settings) -> redis_asyncio.Redis:
     """A pooled asyncio Redis client for `redis_url` (plain or Sentinel); dead pooled connections are reconnected
     before use (module docstring). Close it with `close_redis`."""
@@ -72,8 +122,10 @@ def connect_redis(settings: Settings) -> redis_asyncio.Redis:
     url = settings.redis_url.get_secret_value()
     address = parse_redis_url(url)
     if address is None:
-        return redis_asyncio.Redis.from_url(
-            url, max_connections=settings.redis.max_connections, decode_responses=False, **options
+        return _inline_writes(
+            redis_asyncio.Redis.from_url(
+                url, max_connections=settings.redis.max_connections, decode_responses=False, **options
+            )
         )
     sentinel_password = settings.redis.sentinel_password
     sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
@@ -94,7 +146,7 @@ def connect_redis(settings: Settings) -> redis_asyncio.Redis:
         max_connections=settings.redis.max_connections,
         **options,
     )
-    return master
+    return _inline_writes(master)
 
 
 async def close_redis(client: redis_asyncio.Redis) -> None:
