@@ -39,7 +39,7 @@ from gateway.auth.keys import (
 )
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import PubSubListener, RedisCalls
+from gateway.redis_client import DirectScript, PubSubListener, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -92,13 +92,13 @@ class KeyStore:
         )
         self._last_fail_open_warning = 0.0
         self._skip_redis_until = 0.0
-        self._lookup = redis.register_script(scripts.LOOKUP)
-        self._create = redis.register_script(scripts.CREATE)
-        self._list = redis.register_script(scripts.LIST)
-        self._revoke = redis.register_script(scripts.REVOKE)
-        self._rotate = redis.register_script(scripts.ROTATE)
-        self._update = redis.register_script(scripts.UPDATE)
-        self._delete = redis.register_script(scripts.DELETE)
+        self._lookup = DirectScript(redis, scripts.LOOKUP)
+        self._create = DirectScript(redis, scripts.CREATE)
+        self._list = DirectScript(redis, scripts.LIST)
+        self._revoke = DirectScript(redis, scripts.REVOKE)
+        self._rotate = DirectScript(redis, scripts.ROTATE)
+        self._update = DirectScript(redis, scripts.UPDATE)
+        self._delete = DirectScript(redis, scripts.DELETE)
 
     @property
     def hashes_keyed(self) -> bool:
