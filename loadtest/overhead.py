@@ -29,7 +29,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,10 @@ from loadtest.processes import (
 )
 
 GATEWAY, ENGINE, NGINX = "gateway", "engine", "nginx"
+# A second gateway from another source tree (`--baseline DIR`), measured in the same rounds: before and after a
+# change under the same noise.
+BASELINE = "baseline"
+_GATEWAYS = (GATEWAY, BASELINE)
 DIRECT = "direct"
 # Issue 11's goals; a request with a key and the Redis limiter may cost up to `ms_per_request_auth`.
 TARGETS = {
@@ -85,6 +89,7 @@ class Options:
     redis_url: str | None = None
     nginx: bool = False
     lean: bool = False
+    baseline: Path | None = None
 
     @property
     def label(self) -> str:
@@ -119,7 +124,7 @@ async def measure(
                 meter,
                 duration=options.warmup,
                 max_requests=100_000,
-                headers=headers if target == GATEWAY else None,
+                headers=headers if target in _GATEWAYS else None,
             )
     for round_no in range(options.rounds):
         for workload in plan:
@@ -133,7 +138,7 @@ async def measure(
                     meter,
                     duration=options.duration,
                     max_requests=options.max_requests,
-                    headers=headers if target == GATEWAY else None,
+                    headers=headers if target in _GATEWAYS else None,
                 )
                 records.append(record)
                 proxy = target if target in record.cpu_s else GATEWAY
@@ -366,6 +371,23 @@ def start_targets(options: Options, stack: ExitStack) -> Targets:
     gateway.wait_http(gateway_url + "/ready")
     pids = {GATEWAY: gateway.pid, ENGINE: engine.pid}
     urls = {DIRECT: engine_url + "/v1/chat/completions", GATEWAY: gateway_url + "/v1/chat/completions"}
+    if options.baseline is not None:
+        base_port = free_port()
+        env = _gateway_env(options, redis_url) | {"PYTHONPATH": str(options.baseline.resolve())}
+        base_argv = [*gateway_argv[:4], str(base_port), *gateway_argv[5:]]
+        base = stack.enter_context(
+            # -P: the working directory (this tree) must not come before PYTHONPATH on the import path.
+            BenchProcess(
+                BASELINE,
+                [sys.executable, "-P", "-m", "gateway", *base_argv],
+                core=0 if pin else None,
+                env=env,
+                inherit=False,
+            )
+        )
+        base.wait_http(f"http://127.0.0.1:{base_port}/ready")
+        pids[BASELINE] = base.pid
+        urls[BASELINE] = f"http://127.0.0.1:{base_port}/v1/chat/completions"
     binary = nginx_binary()
     if options.nginx and binary is not None:
         nginx_port = free_port()
@@ -428,6 +450,12 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
     parser.add_argument("--auth", action="store_true", help="with --lean: an API key and the Redis limiter on")
     parser.add_argument("--redis-url", help="a running Redis for the keys (default: a private redis-server)")
     parser.add_argument("--no-nginx", action="store_true", help="leave out nginx, the reference proxy")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="also measure, in the same rounds, the gateway of another source tree (a directory holding its "
+        "`gateway` package, e.g. from `git archive REV gateway | tar -x -C DIR`); reported after this tree's",
+    )
     args = parser.parse_args(argv)
     few, many = sorted(args.chunks)
     if few == many:
@@ -446,6 +474,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
         redis_url=args.redis_url,
         nginx=not args.no_nginx and nginx_binary() is not None,
         lean=args.lean,
+        baseline=args.baseline,
     )
     return options, args.json
 
@@ -454,17 +483,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m loadtest.overhead`."""
     options, json_path = parse_options(argv)
     records = run(options)
-    rows, summary = summarize(records, options)
+    rows, summary = summarize([r for r in records if r.target != BASELINE], options)
     sys.stdout.write(f"Gateway overhead ({options.label}) at {revision()}\n\n" + render(rows, summary, options))
+    report: dict[str, Any] = {"revision": revision(), "options": _options_json(options), "summary": summary}
+    if options.baseline is not None:
+        # The baseline's records stand in for the gateway's: the same summary, in the same rounds.
+        others = [r for r in records if r.target not in _GATEWAYS]
+        as_gateway = [_as_gateway(r) for r in records if r.target == BASELINE]
+        base_rows, report["baseline_summary"] = summarize(others + as_gateway, options)
+        sys.stdout.write(
+            f"\nBaseline {options.baseline}, same rounds\n\n" + render(base_rows, report["baseline_summary"], options)
+        )
     if json_path is not None:
-        report: dict[str, Any] = {"revision": revision(), "options": _options_json(options)}
-        report |= {"summary": summary, "records": records_json(records)}
+        report["records"] = records_json(records)
         json_path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return 0
 
 
+def _as_gateway(record: PhaseRecord) -> PhaseRecord:
+    """A baseline phase as the gateway's: its target and its CPU counters under the gateway's name."""
+    return replace(
+        record,
+        target=GATEWAY,
+        cpu_s={**record.cpu_s, GATEWAY: record.cpu_s[BASELINE]},
+        sys_s={**record.sys_s, GATEWAY: record.sys_s[BASELINE]},
+        wait_s={**record.wait_s, GATEWAY: record.wait_s[BASELINE]},
+    )
+
+
 def _options_json(options: Options) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in Options.__slots__}
+    values = {name: getattr(options, name) for name in Options.__slots__}
+    return {name: str(value) if isinstance(value, Path) else value for name, value in values.items()}
 
 
 if __name__ == "__main__":
