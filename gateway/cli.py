@@ -1,9 +1,9 @@
 """The `nemotron-gateway` command line: parses flags into Settings and runs the chosen verb.
 
 Each verb imports only what it runs: the web app (fastapi, the relay) costs ~0.6 s to import, which a
-`keys list` must not pay (issue 13). The verbs' modules are named in `_VERB_MODULES` and loaded with
-importlib once the verb is known, rather than imported inside functions (the house style bans
-function-local imports: they hide the dependency graph).
+`keys list` must not pay. The verbs' modules are named in `_VERB_MODULES` and loaded with
+importlib once the verb is known, rather than imported inside functions (function-local imports
+hide the dependency graph, and tests/unit/test_architecture.py refuses them).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from gateway import __version__
+from gateway.engine.flags import add_engine_arguments, engine_overrides
 from gateway.multiproc import shared_metrics
 from gateway.settings import Settings, unknown_variables
-from gateway.supervisor.flags import add_engine_arguments, engine_overrides
 from gateway.workers import usable_cores
 
 logger = logging.getLogger("gateway")
@@ -74,8 +74,8 @@ def _add_serve(verbs: Any) -> None:
     _add_common(serve)
 
 
-def _add_engine(verbs: Any) -> None:
-    engine = verbs.add_parser("engine", help=_VERB_HELP["engine"])
+def _declare_engine(engine: argparse.ArgumentParser) -> None:
+    """The engine command's flags and sub-verbs, the same under `nemotron-gateway engine` and `nemotron-engine`."""
     add_engine_arguments(engine)
     engine.add_argument(
         "--print-argv", action="store_true", help="print the engine's command line and environment; start nothing"
@@ -87,6 +87,10 @@ def _add_engine(verbs: Any) -> None:
     _add_common(status)
     _add_common(engine_verbs.add_parser("profiles", help="list the engine profiles and their vLLM flags"))
     _add_common(engine_verbs.add_parser("presets", help="list the model presets, their flags and reasoning switch"))
+
+
+def _add_engine(verbs: Any) -> None:
+    _declare_engine(verbs.add_parser("engine", help=_VERB_HELP["engine"]))
 
 
 def _add_keys(verbs: Any) -> None:
@@ -178,11 +182,11 @@ def configure_logging(level: str) -> None:
 def _run_engine_verb(args: argparse.Namespace, settings: Settings) -> int:
     module = _verb_module("engine")
     if args.engine_verb == "status":
-        return int(module.show_status(settings, as_json=args.json))
+        return int(module.show_status(settings.engine, as_json=args.json))
     if args.engine_verb == "profiles":
-        return int(module.show_profiles(settings))
+        return int(module.show_profiles(settings.engine))
     if args.engine_verb == "presets":
-        return int(module.show_presets(settings))
+        return int(module.show_presets(settings.engine))
     if args.print_argv:
         return int(module.print_argv(settings))
     return int(module.run_engine(settings))
@@ -190,7 +194,7 @@ def _run_engine_verb(args: argparse.Namespace, settings: Settings) -> int:
 
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
     # Several workers sum their metrics from one directory; prometheus_client picks that mode when it is first
-    # imported, so the directory is named before the serving modules are imported (issue 9).
+    # imported, so the directory is named before the serving modules are imported.
     with shared_metrics(settings.workers or usable_cores()):
         return int(_verb_module("serve").serve(settings))
 
@@ -212,6 +216,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A child interpreter: the model writer needs torch and tokenizers, which the gateway never imports.
         command = [sys.executable, "-m", "gateway.demo_model", str(args.directory), "--seed", str(args.seed)]
         return subprocess.run(command, check=False).returncode
+    return _run_verb(args)
+
+
+def engine_parser() -> argparse.ArgumentParser:
+    """The parser of `nemotron-engine`: the `engine` verb's, under its own name."""
+    parser = argparse.ArgumentParser(prog="nemotron-engine", description=_VERB_HELP["engine"])
+    _declare_engine(parser)
+    parser.set_defaults(verb="engine")
+    return parser
+
+
+def engine_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `nemotron-engine` console script (the engine unit's ExecStart) and of
+    `python -m gateway.supervisor`: `nemotron-gateway engine` under its own name, the same flags and sub-verbs."""
+    return _run_verb(engine_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def _run_verb(args: argparse.Namespace) -> int:
     # Logging is configured by the settings, which may fail on such a name: said before, on stderr.
     for warning in unknown_variables(getattr(args, "env_file", None)):
         sys.stderr.write(f"nemotron-gateway: warning: {warning}\n")

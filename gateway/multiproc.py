@@ -16,8 +16,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from gateway.engine.state import pid_alive
 from gateway.settings import metrics_dir, share_metrics
-from gateway.supervisor.state import pid_alive
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The client's reasoning switch, translated into the served model's convention (issue 8).
+"""The client's reasoning switch, translated into the served model's convention.
 
 Clients send OpenAI's `reasoning_effort` ("none"/"minimal" off, anything else on) or `"reasoning": {"enabled":
 bool}` (`{"effort": ...}` read like `reasoning_effort`); the model preset says how the served model hears it:
@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from gateway.engine.presets import ReasoningSwitch, reasoning_switch
+from gateway.engine.profiles import ProfileError
 from gateway.errors import InvalidRequestError
 from gateway.settings import EngineSettings
-from gateway.supervisor.presets import ReasoningSwitch, reasoning_switch
-from gateway.supervisor.profiles import ProfileError
 
 __all__ = ["ReasoningSwitch", "apply_reasoning", "apply_responses_reasoning", "served_switch"]
 

@@ -243,6 +243,10 @@ class AdmissionSettings(_Group):
     A request of priority p is refused once the engine's waiting requests (its last scrape plus what gateways
     admitted since) reach `max_waiting` x share(p), where share(p) is `shares[min(p, len(shares) - 1)]`; the
     most urgent tier (priority 0) is admitted up to the full bound. A tier's bound is at least 1.
+
+    vLLM lets a waiting request take a sequence slot only when a running one ends (it preempts for KV-cache
+    blocks, not for slots), so `reserved_seqs` keeps slots free for priority 0: a request of any lower priority
+    is refused once the engine holds (runs or queues) `sequence_slots - reserved_seqs` requests.
     """
 
     max_waiting: int | None = Field(
@@ -261,6 +265,18 @@ class AdmissionSettings(_Group):
         (1.0, 0.5, 0.25),
         min_length=1,
         description="Share of the bounds each priority gets (JSON list: priority 0, 1, ...; the last for the rest).",
+    )
+    reserved_seqs: int | None = Field(
+        None,
+        ge=1,
+        description="Sequence slots kept free for priority 0: lower priorities are refused (429) once the engine "
+        "holds sequence_slots minus this many requests; unset: off.",
+    )
+    sequence_slots: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences the engine runs at once, for reserved_seqs (default: the --max-num-seqs times "
+        "--data-parallel-size the supervisor launched it with, read from its status file).",
     )
     max_retry_after: float = Field(
         30.0, ge=1, description="Longest Retry-After a refusal sends (it is derived from the observed drain rate)."
@@ -281,7 +297,7 @@ class AdmissionSettings(_Group):
     @property
     def enabled(self) -> bool:
         """Whether any bound is set (else no scrape, no Redis work)."""
-        return self.max_waiting is not None or self.max_kv_cache_use is not None
+        return self.max_waiting is not None or self.max_kv_cache_use is not None or self.reserved_seqs is not None
 
 
 class EngineSettings(_Group):

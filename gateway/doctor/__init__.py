@@ -1,8 +1,8 @@
 """The preflight doctor: checks of the GPU, the host, the model directory and Redis before the engine starts.
 
 Public surface: `run_checks` with a `DoctorConfig` (the supervisor refuses to start on `fatal_failures`),
-the report renderers, and the `doctor` verb. Imports settings, the supervisor's engine data (profiles and the
-argv builder, the status file) and its own modules; never the HTTP app, the relay, fastapi or aiohttp.
+the report renderers, and the `doctor` verb. Imports settings, the engine package (profiles and the argv
+builder, the status file) and its own modules; never the HTTP app, the relay, fastapi or aiohttp.
 """
 
 from gateway.doctor.check import Check, Status

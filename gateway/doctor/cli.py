@@ -1,7 +1,7 @@
 """The `doctor` verb: its flags, the configuration it checks, and the report on stdout (exit 1 on any failure).
 
 The CLI (`gateway/cli.py`) wires `add_doctor_parser` / `run_doctor`; `python -m gateway.doctor` runs it alone.
-Imports settings, the supervisor's profiles and the doctor's own modules; never the HTTP app.
+Imports settings, the engine package's profiles and the doctor's own modules; never the HTTP app.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pydantic_settings import SettingsError
 
 from gateway.doctor.report import exit_code, render_json, render_table
 from gateway.doctor.runner import doctor_config, run_checks
+from gateway.engine.presets import engine_profile
+from gateway.engine.profiles import ProfileError
+from gateway.engine.state import RUNNING_ENV, STATUS_FILE
 from gateway.settings import Settings
-from gateway.supervisor.presets import engine_profile
-from gateway.supervisor.profiles import ProfileError
-from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE
 
 
 def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:

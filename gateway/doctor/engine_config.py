@@ -5,7 +5,7 @@ re-deriving them drifts (a tokenizer's model_max_length, YaRN's factor). So its 
 `EngineArgs.create_model_config()` are run on the argv the supervisor launches, in the engine's interpreter and
 environment: a subprocess that reads config files only (no weights, no device), offline, cached per vLLM
 version, argv and config-file contents like the flag list. The gateway's own rules (model.py) stay for a
-gateway-only host without vLLM. Imports the supervisor's launcher probe and cache, and the doctor's own modules.
+gateway-only host without vLLM. Imports the engine package's launcher probe and cache, and the doctor's own modules.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 from gateway.doctor import rows
 from gateway.doctor.check import Check, Status, failed, passed, skipped
-from gateway.supervisor.launch import cached, installed_vllm
-from gateway.supervisor.profiles import ProfileError
+from gateway.engine.launch import cached, installed_vllm
+from gateway.engine.profiles import ProfileError
 
 NOT_INSTALLED = "vLLM not installed here: checked by the gateway's own rules"
 # Importing vLLM's config code imports torch: ~15-25 s on a CPU machine, hence the cache.

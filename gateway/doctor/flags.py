@@ -3,7 +3,7 @@
 The doctor checks what vLLM will be told, not what one profile says: `--load-format dummy` needs no weights,
 `--tokenizer` moves the tokenizer files elsewhere, `--hf-overrides` changes the config the context length is
 derived from. Parsing follows vLLM's argparse: `--flag value` or `--flag=value`, the last occurrence wins,
-`--hf-overrides.key value` sets one key. Imports settings and the supervisor's argv builder.
+`--hf-overrides.key value` sets one key. Imports settings and the engine package's argv builder.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gateway.engine.profiles import Profile, build_argv
 from gateway.settings import EngineSettings
-from gateway.supervisor.profiles import Profile, build_argv
 
 # build_argv refuses an argv without a model; the doctor still checks the rest of an unconfigured machine.
 _NO_MODEL = "\0no-model"

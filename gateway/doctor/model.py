@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, skipped, warned
-from gateway.supervisor.presets import Preset, load_presets
+from gateway.engine.presets import Preset, load_presets
 
 _LENGTH_KEYS = (
     "max_position_embeddings",

@@ -37,7 +37,7 @@ MODEL_DIRECTORY = Row("model directory", fatal=True)
 MODEL_CONFIG = Row("model config", fatal=True)
 TOKENIZER = Row("tokenizer", fatal=True)
 CHAT_TEMPLATE = Row("chat template")
-# Served without its parser, a reasoning model's `</think>` leaks into content and streaming clients hang (issue 8).
+# Served without its parser, a reasoning model's `</think>` leaks into content and streaming clients hang.
 REASONING_PARSER = Row("reasoning parser", fatal=True)
 BOS = Row("BOS token")
 ROPE_THETA = Row("rope_theta")

@@ -1,8 +1,8 @@
 """Runs every preflight check on this machine for one engine configuration (`DoctorConfig`).
 
 The supervisor calls `run_checks` before it spawns the engine; `doctor_config` says what the engine would be
-started with (the flags of the argv the supervisor builds). Imports settings, the supervisor's profiles and
-the doctor's own modules; never the HTTP app.
+started with (the flags of the argv the supervisor builds). Imports settings, the engine package's profiles and
+launcher, and the doctor's own modules; never the HTTP app.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from gateway.doctor.host import (
 from gateway.doctor.model import ModelFlags, check_model_dir, resolve_model
 from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
 from gateway.doctor.running import RunningEngine, running_engine
+from gateway.engine.launch import engine_python
+from gateway.engine.profiles import Profile, build_argv
 from gateway.settings import Settings, masked_redis_url
-from gateway.supervisor.launch import engine_python
-from gateway.supervisor.profiles import Profile, build_argv
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         # No GPU memory share among the flags: a CPU profile (cpu-dev), no GPU is needed.
         cpu=flags.gpu_memory_utilization is None,
         # A custom launcher does not start the installed vLLM's server: there is no verdict of its to ask for.
-        engine_python=None if settings.engine.launcher else engine_python(settings),
+        engine_python=None if settings.engine.launcher else engine_python(settings.engine),
         engine_args=tuple(build_argv([], settings.engine, profile)) if settings.engine.model else (),
         engine_env=dict(profile.env),
         verdict_cache=settings.engine.state_dir,

@@ -4,7 +4,7 @@
 engine it would start. The supervisor's status file names the engine's pid; the engine is that process and
 every process below it. Only those processes' file descriptors are read, so a stranger's port is never
 claimed (and no other user's /proc entries are needed). Linux only: elsewhere no engine is found.
-Imports the supervisor's status record only.
+Imports the engine package's status record only.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.supervisor.state import read_status
+from gateway.engine.state import read_status
 
 _PROC = Path("/proc")
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column

@@ -11,8 +11,11 @@ intervals expires, and without one nothing is refused: the engine monitor answer
 
 The tier rule: priority p is in tier min(p, len(shares) - 1); it is refused with 429 once waiting requests
 reach max(1, max_waiting x shares[tier]), and with 503 once the KV-cache use reaches max_kv_cache_use x
-shares[tier]. Retry-After is the time the observed drain rate (requests finished per second) takes to bring
-the queue back under the tier's bound, between 1 s and `max_retry_after`.
+shares[tier]. With `reserved_seqs` set, a tier below 0 is also refused with 429 once the engine holds (runs,
+queues, or was admitted since the scrape) its sequence slots less the reserve: vLLM hands a slot to a waiting
+request only when a running one ends, so without free slots an urgent request waits behind a batch generation.
+Retry-After is the time the observed drain rate (requests finished per second) takes to bring the count back
+under the tier's bound, between 1 s and `max_retry_after`.
 Imports errors, settings, metrics and redis_client.
 """
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis_asyncio
 
+from gateway.engine.state import STATUS_FILE, launched_sequence_slots
 from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import DirectScript, RedisCalls
@@ -47,32 +51,34 @@ _MIN_TTL_MS = 5000
 # safe side).
 TRANSIT = 0.05
 
-ADMITTED, REFUSED_WAITING, REFUSED_KV_CACHE = 0, 1, 2
+ADMITTED, REFUSED_WAITING, REFUSED_KV_CACHE, REFUSED_SLOTS = 0, 1, 2, 3
 
-# KEYS: the load record (HASH: waiting, kv, mark, drain), the admission counter.
-# ARGV: the tier's bound on waiting requests (-1: off), its bound on KV-cache use (-1: off).
-# Returns {outcome, waiting requests counted, drain rate as text}.
+# KEYS: the load record (HASH: waiting, running, kv, mark, drain), the admission counter.
+# ARGV: the tier's bound on waiting requests, on KV-cache use, on requests held (running + waiting); -1: off.
+# Returns {outcome, requests counted against the bound that refused (waiting, else held), drain rate as text}.
 ADMIT = """
-local load = redis.call('HMGET', KEYS[1], 'waiting', 'kv', 'mark', 'drain')
+local load = redis.call('HMGET', KEYS[1], 'waiting', 'kv', 'mark', 'drain', 'running')
 if not load[1] then
   redis.call('INCR', KEYS[2])
   return {0, 0, '0'}
 end
 local counted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local waiting = tonumber(load[1]) + math.max(0, counted - tonumber(load[3]))
-local kv_bound, waiting_bound = tonumber(ARGV[2]), tonumber(ARGV[1])
+local held = waiting + tonumber(load[5] or '0')
+local kv_bound, waiting_bound, held_bound = tonumber(ARGV[2]), tonumber(ARGV[1]), tonumber(ARGV[3])
 if kv_bound >= 0 and tonumber(load[2]) >= kv_bound then return {2, waiting, load[4]} end
 if waiting_bound >= 0 and waiting >= waiting_bound then return {1, waiting, load[4]} end
+if held_bound >= 0 and held >= held_bound then return {3, held, load[4]} end
 redis.call('INCR', KEYS[2])
 return {0, waiting + 1, load[4]}
 """
 
-# KEYS: the load record, the admission counter. ARGV: waiting, kv, mark, drain, ttl ms.
+# KEYS: the load record, the admission counter. ARGV: waiting, kv, mark, drain, ttl ms, running.
 # A scrape whose mark is older than the one published (another worker's newer scrape) is dropped.
 PUBLISH = """
 local published = tonumber(redis.call('HGET', KEYS[1], 'mark') or '-1')
 if tonumber(ARGV[3]) < published then return 0 end
-redis.call('HSET', KEYS[1], 'waiting', ARGV[1], 'kv', ARGV[2], 'mark', ARGV[3], 'drain', ARGV[4])
+redis.call('HSET', KEYS[1], 'waiting', ARGV[1], 'kv', ARGV[2], 'mark', ARGV[3], 'drain', ARGV[4], 'running', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
@@ -120,6 +126,7 @@ class TierBounds:
     tier: int
     waiting: int | None
     kv_cache_use: float | None
+    held: int | None = None  # requests the engine may hold (running + waiting) before this tier is refused
 
 
 def tier_of(priority: int, settings: AdmissionSettings) -> int:
@@ -127,14 +134,18 @@ def tier_of(priority: int, settings: AdmissionSettings) -> int:
     return min(max(priority, 0), len(settings.shares) - 1)
 
 
-def tier_bounds(priority: int, settings: AdmissionSettings) -> TierBounds:
+def tier_bounds(priority: int, settings: AdmissionSettings, sequence_slots: int | None = None) -> TierBounds:
     """The bounds of `priority`'s tier: the full bounds for tier 0, `shares[tier]` of them below (at least one
-    waiting request, so that every tier is served while the queue is short)."""
+    waiting request, so that every tier is served while the queue is short); below tier 0, with `reserved_seqs`
+    and the engine's `sequence_slots` known, at most that many slots less the reserve held (at least one)."""
     tier = tier_of(priority, settings)
     share = settings.shares[tier]
     waiting = None if settings.max_waiting is None else max(1, math.floor(settings.max_waiting * share))
     kv = None if settings.max_kv_cache_use is None else settings.max_kv_cache_use * share
-    return TierBounds(tier=tier, waiting=waiting, kv_cache_use=kv)
+    held = None
+    if tier > 0 and settings.reserved_seqs is not None and sequence_slots is not None:
+        held = max(1, sequence_slots - settings.reserved_seqs)
+    return TierBounds(tier=tier, waiting=waiting, kv_cache_use=kv, held=held)
 
 
 def retry_after(waiting: float, bound: int, drain: float, settings: AdmissionSettings) -> float:
@@ -167,12 +178,17 @@ class EngineAdmission:
         self._last: tuple[float, float] | None = None  # (monotonic time, finished) of this worker's last scrape
         self._drain = 0.0  # requests finished per second between this worker's last two scrapes
         self._warned = False
+        # The engine's sequence slots, for `reserved_seqs`: the setting, else the supervisor's status file (read
+        # at each scrape: a restarted engine may have been launched with another --max-num-seqs).
+        self._slots = self._settings.sequence_slots
+        self._status_file = settings.engine.state_dir / STATUS_FILE
+        self._warned_slots = False
         self._ttl_ms = max(_MIN_TTL_MS, int(_SCRAPES_KEPT * settings.relay.probe_interval * 1000))
         # Every tier's series exist from the start (at 0), so rates and the dashboard's panels have data; the
         # sent counters are looked up once (labels() per request shows in a profile).
         tiers = range(len(self._settings.shares))
         for tier in tiers:
-            for reason in ("waiting", "kv_cache"):
+            for reason in ("waiting", "kv_cache", "slots"):
                 metrics.admission_refused.labels(str(tier), reason)
         self._sent = {
             (tier, sent): metrics.priority_sent.labels(str(tier), "sent" if sent else "dropped")
@@ -190,10 +206,11 @@ class EngineAdmission:
         """Count the request in, or raise EngineQueueFullError (429) / EngineBusyError (503) with Retry-After."""
         if not self._settings.enabled:
             return
-        bounds = tier_bounds(priority, self._settings)
+        bounds = tier_bounds(priority, self._settings, self._slots)
         args = [
             -1 if bounds.waiting is None else bounds.waiting,
             -1 if bounds.kv_cache_use is None else repr(bounds.kv_cache_use),
+            -1 if bounds.held is None else bounds.held,
         ]
         try:
             outcome, waiting, drain_text = await self._calls(
@@ -213,6 +230,15 @@ class EngineAdmission:
                 "The model engine's KV cache is full for this priority; retry shortly.",
                 retry_after=retry_after(1, 1, drain, self._settings),
             )
+        if outcome == REFUSED_SLOTS:
+            self._metrics.admission_refused.labels(tier, "slots").inc()
+            held_bound = bounds.held or 1
+            raise EngineQueueFullError(
+                f"The model engine's free sequence slots are kept for more urgent work ({int(waiting)} requests "
+                f"held, bound {held_bound} for this priority); retry after the Retry-After seconds.",
+                retry_after=retry_after(waiting, held_bound, drain, self._settings),
+                limit="engine_queue",
+            )
         self._metrics.admission_refused.labels(tier, "waiting").inc()
         bound = bounds.waiting or 1
         raise EngineQueueFullError(
@@ -230,6 +256,8 @@ class EngineAdmission:
         """Scrape the engine's /metrics with `scrape` (the engine monitor's, on its interval), export its load and,
         with a bound set, publish it; a failed scrape or Redis call is logged and leaves the last one to expire."""
         try:
+            if self._settings.reserved_seqs is not None and self._settings.sequence_slots is None:
+                await self._read_sequence_slots()
             mark = await self.mark() if self.enabled else 0
             if self.enabled:
                 await asyncio.sleep(TRANSIT)
@@ -242,6 +270,17 @@ class EngineAdmission:
             await self.publish(load, mark, time.monotonic())
         except GatewayError as exc:
             logger.debug("engine load not published: %s", exc.message)
+
+    async def _read_sequence_slots(self) -> None:
+        """The launched engine's sequence slots from the supervisor's status file; warned about once if unknown."""
+        self._slots = await asyncio.to_thread(launched_sequence_slots, self._status_file)
+        if self._slots is None and not self._warned_slots:
+            self._warned_slots = True
+            logger.warning(
+                "NEMOTRON_ADMISSION__RESERVED_SEQS is set but the engine's sequence slots are unknown (no "
+                "--max-num-seqs in the supervisor's status file): no slots are reserved; set "
+                "NEMOTRON_ADMISSION__SEQUENCE_SLOTS"
+            )
 
     async def mark(self) -> int:
         """The admission counter now: taken just before a scrape, what was admitted after it counts as pending."""
@@ -264,5 +303,12 @@ class EngineAdmission:
             self._metrics.engine_load.labels(figure).set(value)
         if not self.enabled:
             return
-        args: list[str | int] = [repr(load.waiting), repr(load.kv_cache_use), mark, repr(drain), self._ttl_ms]
+        args: list[str | int] = [
+            repr(load.waiting),
+            repr(load.kv_cache_use),
+            mark,
+            repr(drain),
+            self._ttl_ms,
+            repr(load.running),
+        ]
         await self._calls(lambda: self._publish(keys=self._keys, args=args), unavailable=_UNAVAILABLE)

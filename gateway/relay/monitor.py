@@ -40,6 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from gateway.background import BackgroundTask
+from gateway.engine.state import PRIORITY, STATUS_FILE, launched_policy
 from gateway.errors import EngineCredentialsError, EngineRefusedError, EngineUnavailableError, GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
@@ -54,7 +55,6 @@ from gateway.relay.shared import (
     SharedEngineState,
 )
 from gateway.settings import Settings
-from gateway.supervisor.state import PRIORITY, STATUS_FILE, launched_policy
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""`python -m gateway.supervisor`: the engine supervisor in the foreground, without loading the HTTP app."""
+"""`python -m gateway.supervisor`: the engine command (`nemotron-engine`), without loading the HTTP app."""
 
 import sys
 
-from gateway.supervisor.cli import main
+from gateway.cli import engine_main
 
-sys.exit(main())
+sys.exit(engine_main())

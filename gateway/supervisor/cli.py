@@ -1,5 +1,7 @@
-"""The supervisor's verbs: `engine` (foreground supervisor), `engine status`, `engine profiles`, `engine presets`,
-`engine --print-argv` (the command line, nothing started), and `up`.
+"""What the supervisor's verbs run: `engine` (foreground supervisor), `engine status`, `engine profiles`,
+`engine presets`, `engine --print-argv` (the command line, nothing started), and `up`. Their flags are
+declared once, in `gateway.cli`, for both names of the engine command (`nemotron-gateway engine`,
+`nemotron-engine`).
 
 `up` runs the supervisor in this process and the gateway (`nemotron-gateway serve`) as a guarded child:
 one foreground process tree for a single machine. A gateway that exits by itself is restarted with
@@ -10,7 +12,6 @@ reads, so it checks the configuration that is running. Never imports the HTTP ap
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -26,14 +27,13 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from gateway.doctor import doctor_config, fatal_failures, render_table, run_checks
+from gateway.engine.launch import ENGINE_KEY_VARIABLE, prepare
+from gateway.engine.presets import load_presets
+from gateway.engine.profiles import Profile, ProfileError, load_profiles
+from gateway.engine.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
 from gateway.metrics import SupervisorMetrics
-from gateway.settings import Settings, unknown_variables
-from gateway.supervisor.flags import add_engine_arguments, engine_overrides
-from gateway.supervisor.launch import ENGINE_KEY_VARIABLE, prepare
-from gateway.supervisor.presets import load_presets
+from gateway.settings import EngineSettings, Settings
 from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.profiles import Profile, ProfileError, load_profiles
-from gateway.supervisor.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
 from gateway.supervisor.supervisor import EngineSupervisor
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ _GATEWAY_STABLE = 60.0
 _RUNNING_FIELDS = ("model", "profile", "preset", "profiles_file", "served_model_name", "port", "state_dir")
 
 
-def _status_path(settings: Settings) -> Path:
-    return settings.engine.state_dir / STATUS_FILE
+def _status_path(engine: EngineSettings) -> Path:
+    return engine.state_dir / STATUS_FILE
 
 
 def write_running_env(settings: Settings) -> None:
@@ -67,16 +67,16 @@ def write_running_env(settings: Settings) -> None:
 
 
 def quiet_probe_loggers() -> None:
-    """httpx logs every request at INFO: one line per liveness check (issue 12's ~54 lines a minute)."""
+    """httpx logs every request at INFO: one line per liveness check (some 54 a minute)."""
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def show_status(settings: Settings, *, as_json: bool) -> int:
+def show_status(engine: EngineSettings, *, as_json: bool) -> int:
     """Print the supervisor's last status; exit 0 when the engine is ready, 1 otherwise."""
-    status = read_status(_status_path(settings))
+    status = read_status(_status_path(engine))
     if status is None:
-        sys.stdout.write(f"no engine supervisor status at {_status_path(settings)}\n")
+        sys.stdout.write(f"no engine supervisor status at {_status_path(engine)}\n")
         return 1
     alive = pid_alive(status.supervisor_pid)
     if not alive and status.state not in (EngineState.STOPPED, EngineState.FAILED):
@@ -106,10 +106,10 @@ def _clock(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
-def show_profiles(settings: Settings) -> int:
+def show_profiles(engine: EngineSettings) -> int:
     """List the engine profiles and their flags."""
     try:
-        profiles = load_profiles(settings.engine.profiles_file)
+        profiles = load_profiles(engine.profiles_file)
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway: {exc}\n")
         return 2
@@ -124,10 +124,10 @@ def _flags_text(flags: Mapping[str, object]) -> str:
     return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items() if v is not False)
 
 
-def show_presets(settings: Settings) -> int:
+def show_presets(engine: EngineSettings) -> int:
     """List the model presets: flags, context length and how each model switches reasoning."""
     try:
-        presets = load_presets(settings.engine.profiles_file)
+        presets = load_presets(engine.profiles_file)
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway: {exc}\n")
         return 2
@@ -262,7 +262,7 @@ async def _up(supervisor: EngineSupervisor, new_gateway: Callable[[], GuardedPro
             break
         if stop_wait.done() or engine_task.done():
             break
-        # The gateway holds no model: restart it and keep the engine (minutes to reload) running (issue 12).
+        # The gateway holds no model: restart it and keep the engine (minutes to reload) running.
         failures = 1 if time.monotonic() - started > _GATEWAY_STABLE else failures + 1
         delay = min(_GATEWAY_BACKOFF_MAX, _GATEWAY_BACKOFF_INITIAL * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
         logger.error(
@@ -279,16 +279,3 @@ async def _up(supervisor: EngineSupervisor, new_gateway: Callable[[], GuardedPro
     with contextlib.suppress(asyncio.CancelledError):
         await stop_wait
     return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m gateway.supervisor [--model M] [--profile P] [--env-file F]`: the engine supervisor alone."""
-    parser = argparse.ArgumentParser(prog="python -m gateway.supervisor")
-    add_engine_arguments(parser)
-    parser.add_argument("--env-file", type=Path, help="read NEMOTRON_* settings from this file as well")
-    args = parser.parse_args(argv)
-    settings = Settings(_env_file=args.env_file, engine=engine_overrides(args))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for warning in unknown_variables(args.env_file):
-        logger.warning("%s", warning)
-    return run_engine(settings)

@@ -1,7 +1,7 @@
 """Liveness of a ready engine: does it generate? Read from vLLM's /metrics, and a one-token probe when idle.
 
 vLLM's /health only says that its API process answers: with the engine core frozen it keeps answering
-200, and under load it answers late while tokens flow at full speed (issue 12). So a ready engine is
+200, and under load it answers late while tokens flow at full speed. So a ready engine is
 judged by progress: its token counters grow, or, when nothing runs, a one-token generation finishes.
 A slow answer alone never condemns it; no progress for `stall_timeout` seconds, or `probe_failures`
 refused or failed checks in a row, does. The probe carries the engine's API key when it has one; a probe
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from gateway.engine.state import RestartCause
 from gateway.settings import EngineSettings
-from gateway.supervisor.state import RestartCause
 
 logger = logging.getLogger(__name__)
 

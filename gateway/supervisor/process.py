@@ -68,7 +68,7 @@ def shared_memory_inodes(pids: Sequence[int]) -> set[int]:
 
     By inode, not by name: glibc's sem_open() creates a semaphore under a temporary name, maps it, links
     it to its final name (vLLM's `sem.mp-*`) and unlinks the temporary one, so /proc/<pid>/maps never
-    shows the name that is left behind (issue 12).
+    shows the name that is left behind.
     """
     inodes: set[int] = set()
     for pid in pids:
@@ -93,8 +93,8 @@ def held_inodes() -> set[int]:
 def remove_files(paths: set[str], inodes: set[int] | None = None) -> int:
     """Unlink the /dev/shm files named in `paths` or with one of `inodes`, if ours and no live process holds them.
 
-    Returns how many were removed. A file another process still uses is not ours to remove (issue 12:
-    never touch files of other processes); nor is a file of another user.
+    Returns how many were removed. A file another process still uses is not ours to remove, nor is a file
+    of another user.
     """
     wanted = set(inodes or ())
     for path in paths:

@@ -6,7 +6,7 @@ exits (its orphaned helpers go too), or when stdin reaches EOF: the supervisor h
 of that pipe, so its death, SIGKILL included, reaches the reaper. While CMD runs it notes the inodes of
 the /dev/shm files the group maps or holds open, because a file such as vLLM's `sem.mp-*` semaphores
 may be let go long before the end, when only a resource tracker (killed with the group) still knows its
-name (issue 12). Exits with CMD's exit code.
+name. Exits with CMD's exit code.
 
 Idle, it polls nothing: it sleeps in one select() on CMD's pidfd, its stdin, a signal wake-up pipe and an
 inotify watch of /dev/shm, and reads /proc only when a file appears in /dev/shm (plus a slow safety scan).

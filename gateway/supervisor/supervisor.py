@@ -23,19 +23,20 @@ from typing import Any
 
 import httpx
 
-from gateway.metrics import SupervisorMetrics
-from gateway.settings import EngineSettings
-from gateway.supervisor.launch import ENGINE_KEY_VARIABLE
-from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
-from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.state import (
+from gateway.engine.launch import ENGINE_KEY_VARIABLE
+from gateway.engine.state import (
     STATUS_FILE,
     EngineState,
     EngineStatus,
     RestartCause,
     RestartRecord,
     scheduling_policy,
+    sequence_slots,
 )
+from gateway.metrics import SupervisorMetrics
+from gateway.settings import EngineSettings
+from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
+from gateway.supervisor.process import GuardedProcess
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class EngineSupervisor:
         self.env = dict(env)
         self.status = status
         self.status.scheduling_policy = scheduling_policy(argv)
+        self.status.sequence_slots = sequence_slots(argv)
         self.metrics = metrics
         self._echo = on_line or _echo
         self.should_exit = asyncio.Event()

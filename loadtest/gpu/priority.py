@@ -5,9 +5,10 @@ its key as OPENAI_API_KEY. Phases, in order, each written to priority.json / pri
 
 1. `alone`: the interactive load (short prompts, short answers, open loop at a fixed rate) through the gateway,
    nothing else running.
-2. `gateway-loaded`: the batch load (long generations, concurrency well above the engine's batch) through the
-   gateway with the batch key; once vLLM reports waiting requests, the interactive load with its key. The
-   gateway gives each request its key's priority, which the engine (`--scheduling-policy priority`) honours.
+2. `gateway-loaded`: the batch load (long generations, open loop at about three times what the engine finishes)
+   through the gateway with the batch key; once vLLM is saturated, the interactive load with its key. The
+   gateway gives each request its key's priority, which the engine (`--scheduling-policy priority`) honours, and
+   keeps NEMOTRON_ADMISSION__RESERVED_SEQS sequence slots for priority 0 (the batch beyond them is refused).
 3. `direct-loaded`: the same two loads straight to vLLM, no priority fields: every request priority 0, which
    vLLM's priority scheduler orders by arrival and preempts latest-first, i.e. FCFS, on the same engine (the
    only difference from phase 2 is what the gateway adds).
@@ -86,12 +87,15 @@ class QueueSampler:
         }
 
 
-def wait_for(direct: str, condition: str, timeout_s: float) -> float | None:
-    """Seconds until vLLM has waiting requests (`saturated`) or none at all (`idle`); None at the timeout."""
+def wait_for(direct: str, condition: str, timeout_s: float, slots: int = 0) -> float | None:
+    """Seconds until vLLM is `saturated` (requests waiting, or at least 80 % of its `slots` running: a gateway that
+    keeps slots free for the urgent tier never lets the batch queue) or `idle` (nothing at all); None at the
+    timeout."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         running, waiting = engine_queue(direct)
-        if (condition == "saturated" and waiting > 0) or (condition == "idle" and running == 0 and waiting == 0):
+        saturated = waiting > 0 or (slots > 0 and running >= 0.8 * slots)
+        if (condition == "saturated" and saturated) or (condition == "idle" and running == 0 and waiting == 0):
             return round(time.monotonic() - started, 2)
         time.sleep(0.5)
     return None
@@ -179,6 +183,10 @@ class Step:
         a = self.args
         if shape == "interactive":
             overrides = {"rate": a.interactive_rate, **overrides}
+        if shape == "batch" and a.batch_rate > 0:
+            # Open loop: a refused request does not come straight back (a closed loop would turn every 429 into
+            # the next request at once), and the offered load is the same through the gateway and directly.
+            overrides = {"rate": a.batch_rate, "concurrency": None, **overrides}
         lengths = {
             "interactive": (
                 a.interactive_concurrency or None,
@@ -186,7 +194,12 @@ class Step:
                 a.interactive_in,
                 a.interactive_out,
             ),
-            "batch": (a.batch_concurrency, a.batch_prompts, a.batch_in, a.batch_out),
+            "batch": (
+                a.batch_concurrency,
+                int(a.batch_rate * a.batch_seconds) if a.batch_rate > 0 else a.batch_prompts,
+                a.batch_in,
+                a.batch_out,
+            ),
             "overload": (a.capacity_concurrency, 3 * a.capacity_concurrency, a.overload_in, a.overload_out),
         }[shape]
         concurrency, prompts, input_len, output_len = lengths
@@ -225,7 +238,7 @@ def loaded(step: Step, target: str) -> dict[str, Any]:
     url = a.gateway if target == "gateway" else a.direct
     keys = (a.batch_key, a.interactive_key) if target == "gateway" else (None, None)
     batch = bench.start(step.load(url, "batch"), a.work, f"{target}-loaded-batch", keys[0])
-    saturated_after = wait_for(a.direct, "saturated", 60.0)
+    saturated_after = wait_for(a.direct, "saturated", 60.0, a.capacity_concurrency)
     sampler = QueueSampler(a.direct).start()
     interactive = bench.start(step.load(url, "interactive"), a.work, f"{target}-loaded-interactive", keys[1])
     [measured] = bench.finish([interactive], min(a.phase_timeout, step.left()))
@@ -279,7 +292,7 @@ def markdown(phases: dict[str, dict[str, Any]], notes: list[str]) -> str:
     alone_p99 = (phases.get("alone", {}).get("interactive") or {}).get("ttft_p99_ms")
     lines = [
         f"| phase | interactive ok/failed | TTFT p50 / p99 ms | p99 / alone (goal ≤ {GOAL_LOADED_TTFT_P99_FACTOR:g}x "
-        "through the gateway) | vLLM running / waiting (median, max waiting) | batch tok/s |",
+        "through the gateway) | vLLM running / waiting (median, max waiting) | batch tok/s (ok / refused) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name in ("alone", "gateway-loaded", "direct-loaded"):
@@ -292,10 +305,12 @@ def markdown(phases: dict[str, dict[str, Any]], notes: list[str]) -> str:
         queued = (
             f"{queue['running_median']:g} / {queue['waiting_median']:g}, {queue['waiting_max']:g}" if queue else "-"
         )
-        batch = phase.get("batch", {}).get("output_tokens_per_s")
+        batch = phase.get("batch", {})
+        tokens = batch.get("output_tokens_per_s")
+        served = f"{_ms(tokens)} ({batch.get('completed')} ok / {batch.get('failed')} refused)" if tokens else "-"
         lines.append(
             f"| {name} | {inter.get('completed')}/{inter.get('failed')} | {_ms(inter.get('ttft_p50_ms'))} / "
-            f"{_ms(p99)} | {ratio} | {queued} | {_ms(batch) if batch else '-'} |"
+            f"{_ms(p99)} | {ratio} | {queued} | {served} |"
         )
     lines += [
         "",
@@ -351,7 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--interactive-in", type=int, default=64)
     add("--interactive-out", type=int, default=32)
     add("--batch-concurrency", type=int, default=512)
-    add("--batch-prompts", type=int, default=2048)
+    add("--batch-prompts", type=int, default=2048, help="the closed loop's requests (without --batch-rate)")
+    # ~3x what 256 slots finish of 1,024-token answers (~10 s each on the H200 at full batch: ~25 req/s).
+    add("--batch-rate", type=float, default=75.0, help="batch requests per second, open loop (0: closed loop)")
+    add("--batch-seconds", type=float, default=60.0, help="how long the open-loop batch arrivals last")
     add("--batch-in", type=int, default=256)
     add("--batch-out", type=int, default=1024)
     add("--capacity-concurrency", type=int, default=256, help="the engine's batch (max-num-seqs)")

@@ -70,9 +70,15 @@ def fake_shm_files() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("fake-engine-")}
 
 
-def start_supervisor(state_dir: Path, port: int, *verb_args: str, **extra: str) -> ServerProcess:
+# The engine command as `nemotron-gateway engine` runs it; `nemotron-engine` is the same command by another name.
+GATEWAY_ENGINE = (sys.executable, "-m", "gateway", "engine")
+
+
+def start_supervisor(
+    state_dir: Path, port: int, *verb_args: str, command: tuple[str, ...] = GATEWAY_ENGINE, **extra: str
+) -> ServerProcess:
     proc = ServerProcess(
-        [sys.executable, "-m", "gateway", "engine", *verb_args],
+        [*command, *verb_args],
         env=engine_env(state_dir, port, **extra),
         ready_check=lambda: status(state_dir).get("state") == "ready",
         start_timeout=30,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -143,6 +144,44 @@ def test_admission_refuses_lowest_priority_first_exactly_across_two_workers(tmp_
         metrics = httpx.get(f"{gateway_url}/metrics").text
         assert 'nemotron_gateway_admission_refused_total{reason="waiting",tier="1"}' in metrics
         assert 'nemotron_gateway_engine_load{figure="waiting"}' in metrics
+
+
+def test_reserved_slots_let_the_most_urgent_tier_start_at_once_while_lower_tiers_are_refused(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # Five sequence slots (the supervisor records the launched --max-num-seqs), three kept for priority 0: the
+    # batch tier may hold at most two, the two urgent requests take two more, and one stays free for the
+    # supervisor's liveness probe. Without the reserve five batch requests would run, one wait, and the urgent
+    # ones would wait ~4 s behind them (vLLM hands a slot to a waiting request only when a running one ends).
+    env = {"NEMOTRON_WORKERS": "2", "NEMOTRON_ADMISSION__RESERVED_SEQS": "3"}
+    with stack(tmp_path, redis_url, ["--max-num-seqs", "5"], **env) as (gateway_url, _engine_url):
+        assert status(tmp_path / "state")["sequence_slots"] == 5
+        interactive, batch = key(redis_url, "--priority", "0"), key(redis_url, "--priority", "3")
+
+        async def loads() -> tuple[list[httpx.Response], list[float]]:
+            batch_burst = asyncio.ensure_future(_burst(gateway_url, batch, 6, fake_prefill_delay=4.0))
+            await asyncio.sleep(1.0)
+            async with httpx.AsyncClient(timeout=60) as client:
+
+                async def timed() -> float:
+                    started = time.monotonic()
+                    response = await client.post(
+                        f"{gateway_url}/v1/chat/completions", json=chat(fake_prefill_delay=0.2), headers=interactive
+                    )
+                    assert response.status_code == 200, response.text
+                    return time.monotonic() - started
+
+                urgent = await asyncio.gather(timed(), timed())
+            return await batch_burst, list(urgent)
+
+        batch_answers, urgent_seconds = asyncio.run(loads())
+        codes = [r.status_code for r in batch_answers]
+        assert 1 <= codes.count(200) <= 2 and codes.count(429) == 6 - codes.count(200), codes
+        error = next(r for r in batch_answers if r.status_code == 429).json()["error"]
+        assert error["code"] == "engine_queue_full" and "sequence slots" in error["message"]
+        assert max(urgent_seconds) < 2.5, urgent_seconds
+        metrics = httpx.get(f"{gateway_url}/metrics").text
+        assert 'nemotron_gateway_admission_refused_total{reason="slots",tier="2"}' in metrics
 
 
 def test_a_full_kv_cache_is_a_503_and_vllms_own_refusal_keeps_the_envelope(tmp_path: Path, redis_url: str) -> None:

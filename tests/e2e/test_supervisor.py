@@ -44,6 +44,29 @@ def test_ready_then_restarted_after_a_crash(state_dir: Path) -> None:
         assert "engine exited" in supervisor.log_text() or "restart 1" in supervisor.log_text()
 
 
+def test_the_nemotron_engine_script_supervises_and_reports_alike(state_dir: Path) -> None:
+    """`nemotron-engine`, the engine unit's ExecStart, runs the same supervisor and its `status` answers alike."""
+    script = str(Path(sys.executable).with_name("nemotron-engine"))
+    port = free_port()
+    with start_supervisor(state_dir, port, "--served-model-name", "nemo", command=(script,)):
+        answers = [
+            subprocess.run(
+                [*command, "status", "--json"],
+                env={**os.environ, "NEMOTRON_ENGINE__STATE_DIR": str(state_dir)},
+                capture_output=True,
+                text=True,
+                cwd=REPO_ROOT,
+                check=False,
+            )
+            for command in ([script], [sys.executable, "-m", "gateway", "engine"])
+        ]
+        assert answers[0].returncode == answers[1].returncode == 0, answers[0].stderr + answers[1].stderr
+        assert answers[0].stdout == answers[1].stdout
+        assert json.loads(answers[0].stdout)["state"] == "ready"
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
+        assert [m["id"] for m in models["data"]] == ["nemo"]  # the flag reached the engine
+
+
 def test_hung_engine_is_killed_and_restarted(state_dir: Path) -> None:
     port = free_port()
     with start_supervisor(state_dir, port):

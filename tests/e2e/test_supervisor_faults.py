@@ -1,4 +1,4 @@
-"""Engine faults the supervisor must tell apart (issue 12), on the fake engine as a real process tree.
+"""Engine faults the supervisor must tell apart, on the fake engine as a real process tree.
 
 A frozen engine (/health still 200, no token) is restarted within `stall_timeout + health_interval`;
 a busy one whose /health and /metrics answer late while tokens flow is never restarted; a hang kill

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.engine.state import EngineState
 from gateway.settings import Settings
 from gateway.supervisor.cli import _build_supervisor
 from gateway.supervisor.process import GuardedProcess
-from gateway.supervisor.state import EngineState
 from tests.e2e.supervised import engine_env
 from tests.procs import async_wait_until, free_port
 

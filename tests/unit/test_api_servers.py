@@ -1,13 +1,13 @@
-"""Several vLLM API-server processes (issue 11): the throughput profile asks for them, and only `vllm serve`
+"""Several vLLM API-server processes: the throughput profile asks for them, and only `vllm serve`
 starts them, so such an argv is launched through it; the api_server module (which runs one) otherwise."""
 
 from __future__ import annotations
 
 import pytest
 
+from gateway.engine.launch import api_server_count, serve_launcher
+from gateway.engine.profiles import ProfileError, build_argv, load_profiles, select_profile
 from gateway.settings import EngineSettings
-from gateway.supervisor.launch import api_server_count, serve_launcher
-from gateway.supervisor.profiles import ProfileError, build_argv, load_profiles, select_profile
 
 LAUNCHER = ["/opt/py", "-m", "vllm.entrypoints.openai.api_server"]
 GPU_BUILD = "vllm-0.26.0"

@@ -1,6 +1,10 @@
-"""The dependency rules of HOUSE_STYLE.md section 3, checked on the source (an AST scan, nothing imported).
+"""The package's dependency rules, checked on the source (an AST scan, nothing imported).
 
-A failure lists every offending `file:line`, so the fix is in the code, not in this test.
+The engine side has floors, bottom first: the leaves (settings, errors, metrics, the request log), the
+engine package (what we know about the engine: profiles, presets, flags, argv and environment, status
+file), its users (the supervisor that runs vLLM, the doctor, the relay, the reasoning switch), and the
+command line on top. An import runs down or sideways, never up. A failure lists every offending
+`file:line`, so the fix is in the code, not in this test.
 """
 
 from __future__ import annotations
@@ -23,23 +27,39 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gateway"
 
 LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/requestlog.py")
-OPTIONAL_LEAVES = ("gateway/supervisor/state.py",)
-SERVICES = ("gateway/auth/", "gateway/ratelimit/", "gateway/relay/", "gateway/supervisor/", "gateway/doctor/")
-WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.deps", "gateway.app")
-ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/supervisor/", "gateway/doctor/")
-# The doctor checks what the supervisor would start: settings, errors, its own modules and the supervisor's
-# data about the engine (profiles and the argv builder, the status file); nothing of the request path but the
-# one Redis client factory (its Redis row connects as the gateway does: plain or Sentinel).
-DOCTOR_MAY_IMPORT = (
-    "gateway.settings",
-    "gateway.redis_client",
-    "gateway.errors",
-    "gateway.doctor",
-    "gateway.supervisor.profiles",
-    "gateway.supervisor.presets",
-    "gateway.supervisor.launch",
-    "gateway.supervisor.state",
+OPTIONAL_LEAVES = ("gateway/engine/state.py",)
+SERVICES = (
+    "gateway/auth/",
+    "gateway/ratelimit/",
+    "gateway/relay/",
+    "gateway/engine/",
+    "gateway/supervisor/",
+    "gateway/doctor/",
 )
+WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.deps", "gateway.app")
+ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/engine/", "gateway/supervisor/", "gateway/doctor/")
+# The doctor checks what the supervisor would start: settings, errors, its own modules and the engine package
+# (profiles and the argv builder, the status file); nothing of the request path but the one Redis client
+# factory (its Redis row connects as the gateway does: plain or Sentinel).
+DOCTOR_MAY_IMPORT = ("gateway.settings", "gateway.redis_client", "gateway.errors", "gateway.doctor", "gateway.engine")
+# The command line: it starts things, so it alone may import the supervisor (its entry modules included).
+CLI_LAYER = ("gateway/cli.py", "gateway/__main__.py", "gateway/supervisor/__main__.py", "gateway/doctor/__main__.py")
+ENGINE_USERS = (
+    "gateway/supervisor/",
+    "gateway/doctor/",
+    "gateway/relay/",
+    "gateway/reasoning.py",
+    "gateway/multiproc.py",
+)
+# Bottom first; a module sits on the highest floor that names it (an exact file before its package).
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("leaves", LEAVES),
+    ("engine package", ("gateway/engine/",)),
+    ("engine users", ENGINE_USERS),
+    ("command line", CLI_LAYER),
+)
+# What the engine package reads: settings (its one input), errors and itself; nothing that runs or serves.
+ENGINE_MAY_IMPORT = ("gateway.settings", "gateway.errors", "gateway.engine")
 DOCTOR_NEVER_IMPORTS = ("aiohttp", "fastapi", "starlette", "uvicorn", "gateway.relay", "gateway.app")
 # Top-level packages of the `cpu`/`gpu` extras, which the test environment need not have.
 OPTIONAL_EXTRAS = {"torch", "vllm", "flash_attn", "pynvml", "safetensors", "tokenizers", "transformers"}
@@ -184,8 +204,82 @@ def test_doctor_imports_only_settings_errors_its_own_modules_and_engine_data() -
     assert not violations, _report(violations)
 
 
+def _module_file(module: str) -> str | None:
+    """The source file of a gateway module (`gateway.engine` -> gateway/engine/__init__.py), or None."""
+    as_path = ROOT.joinpath(*module.split("."))
+    for candidate in (as_path.with_suffix(".py"), as_path / "__init__.py"):
+        if candidate.is_file():
+            return _rel(candidate)
+    return None
+
+
+def _floor(file: str) -> int | None:
+    """The floor a file sits on (0 = the leaves), or None for a module no floor names."""
+    exact = [n for n, (_, places) in enumerate(FLOORS) if file in places]
+    if exact:
+        return exact[-1]
+    return next((n for n in reversed(range(len(FLOORS))) if _in(file, FLOORS[n][1])), None)
+
+
+def _upward(imports: tuple[Import, ...]) -> list[str]:
+    violations = []
+    for i in imports:
+        target = _module_file(i.module) if _is_within(i.module, ("gateway",)) else None
+        below, above = _floor(i.file), None if target is None else _floor(target)
+        if below is not None and above is not None and above > below:
+            violations.append(f"{i} ({FLOORS[below][0]} imports {FLOORS[above][0]})")
+    return violations
+
+
+def test_the_floors_name_real_files_and_known_edges_run_down() -> None:
+    for _, places in FLOORS:
+        for place in places:
+            assert (ROOT / place).exists(), place
+    assert _floor("gateway/engine/launch.py") == 1 and _floor("gateway/supervisor/supervisor.py") == 2
+    assert _floor("gateway/supervisor/__main__.py") == 3 and _floor("gateway/routes/openai.py") is None
+    edges = {(i.file, i.module) for i in _all_imports()}
+    assert ("gateway/supervisor/supervisor.py", "gateway.engine.launch") in edges
+    assert ("gateway/doctor/runner.py", "gateway.engine.profiles") in edges
+
+
+def test_no_import_runs_from_a_lower_floor_to_a_higher_one() -> None:
+    violations = _upward(_all_imports())
+    assert not violations, _report(violations)
+
+
+def test_the_floor_check_catches_an_upward_import() -> None:
+    probes = (
+        Import("gateway/engine/launch.py", 1, "gateway.supervisor.process", False),
+        Import("gateway/doctor/runner.py", 2, "gateway.cli", False),
+        Import("gateway/settings.py", 3, "gateway.engine.state", False),
+        Import("gateway/cli.py", 4, "gateway.engine.flags", False),  # down: allowed
+        Import("gateway/supervisor/cli.py", 5, "gateway.doctor", False),  # sideways: allowed
+    )
+    assert [v.split(":")[1] for v in _upward(probes)] == ["1", "2", "3"]
+
+
+def test_the_engine_package_imports_only_settings_errors_and_itself() -> None:
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if _in(i.file, ("gateway/engine/",))
+        and _is_within(i.module, ("gateway",))
+        and not _is_within(i.module, ENGINE_MAY_IMPORT)
+    ]
+    assert not violations, _report(violations)
+
+
+def test_only_the_command_line_imports_the_supervisor() -> None:
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if _is_within(i.module, ("gateway.supervisor",)) and not _in(i.file, ("gateway/supervisor/", *CLI_LAYER))
+    ]
+    assert not violations, _report(violations)
+
+
 def test_the_gateway_never_imports_the_engine_plugin_nor_the_plugin_the_gateway() -> None:
-    """engine_patches runs inside vLLM (issue 8): the gateway only finds its templates' path, without importing it."""
+    """engine_patches runs inside vLLM: the gateway only finds its templates' path, without importing it."""
     violations = [str(i) for i in _all_imports() if _is_within(i.module, ("engine_patches",))]
     plugin_files = sorted((ROOT / "engine_patches").rglob("*.py"))
     assert any(p.name == "plugin.py" for p in plugin_files)
@@ -327,11 +421,11 @@ def test_importing_every_module_has_no_side_effects() -> None:
 
 
 def test_the_engine_entry_point_loads_no_web_stack() -> None:
-    # `nemotron-engine` (the engine unit's ExecStart) runs the supervisor alone (issue 10): a fresh
-    # interpreter imports its module and must not have loaded the HTTP app, FastAPI or aiohttp.
+    # `nemotron-engine` (the engine unit's ExecStart) runs the supervisor alone: a fresh interpreter imports
+    # its module and the supervisor's verbs it loads, and must not have loaded the HTTP app, FastAPI or aiohttp.
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module = scripts["nemotron-engine"].split(":")[0]
-    probe = f"import sys, json, {module}; print(json.dumps(sorted(sys.modules)))"
+    probe = f"import sys, json, {module}, gateway.supervisor.cli; print(json.dumps(sorted(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=25)
     assert result.returncode == 0, result.stderr
     web = ("fastapi", "starlette", "aiohttp", "uvicorn", "gateway.app", "gateway.relay", "gateway.routes")

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from gateway import cli
 pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the web app brings: ~0.6 s of imports that `keys list` used to pay (issue 13).
+# What the web app brings: ~0.6 s of imports that `keys list` used to pay.
 WEB_STACK = ["fastapi", "starlette", "uvicorn", "aiohttp", "gateway.app", "gateway.server", "gateway.relay"]
 _PROBE = """
 import json, sys
@@ -110,3 +111,84 @@ def test_log_lines_read_as_loggings_own_format_within_a_second_and_across_second
         record = logging.LogRecord("gateway.access", logging.INFO, "", 0, "line %d", (7,), None)
         record.created, record.msecs = created, (created - int(created)) * 1000
         assert ours.format(record) == theirs.format(record)
+
+
+# The engine command under its two names: `nemotron-gateway engine ARGS` and `nemotron-engine ARGS`.
+ENGINE_NAMES = {
+    "nemotron-gateway engine": lambda argv: cli.main(["engine", *argv]),
+    "nemotron-engine": cli.engine_main,
+}
+ENGINE_COMMAND_LINES = [
+    ["--model", "/m", "--profile", "cpu-dev", "--preset", "nemotron-3-nano", "--engine-port", "8101"],
+    ["--served-model-name", "nemo", "--print-argv", "--log-level", "debug", "--redis-url", "redis://r:6379/1"],
+    ["--env-file", "/etc/env", "status", "--json", "--redis-url", "redis://r:6379/2"],
+    ["profiles", "--log-level", "error"],
+    ["presets"],
+]
+
+
+def test_nemotron_engine_is_the_shared_engine_command() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, function = scripts["nemotron-engine"].split(":")
+    assert getattr(importlib.import_module(module), function) is cli.engine_main
+
+
+@pytest.mark.parametrize("argv", ENGINE_COMMAND_LINES)
+def test_both_engine_names_parse_a_command_line_alike(argv: list[str]) -> None:
+    under_gateway = vars(cli.build_parser("engine").parse_args(["engine", *argv]))
+    assert vars(cli.engine_parser().parse_args(argv)) == under_gateway
+    assert under_gateway["verb"] == "engine"
+
+
+@pytest.mark.parametrize("argv", [["--model", "/m", "--no-such-flag"], ["status", "--model", "/m"], ["stat"]])
+def test_both_engine_names_refuse_the_same_command_lines(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    for run in ENGINE_NAMES.values():
+        with pytest.raises(SystemExit) as exit_info:
+            run(argv)
+        assert exit_info.value.code == 2  # argparse's usage error
+        assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "expected_out", "expected_err"),
+    [
+        (["profiles"], 0, "balanced\n", ""),
+        (["presets"], 0, "reasoning switch: think_line", ""),
+        (["--profile", "cpu-dev", "--model", "/m", "--print-argv"], 0, "--max-model-len 2048", ""),
+        (["--preset", "nope", "--model", "/m", "--print-argv"], 2, "", "unknown model preset 'nope'"),
+        (["status"], 1, "no engine supervisor status at ", ""),
+    ],
+)
+def test_both_engine_names_run_the_same_verbs(
+    argv: list[str],
+    code: int,
+    expected_out: str,
+    expected_err: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("NEMOTRON_ENGINE__STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("NEMOTRON_ENGINE__LAUNCHER", json.dumps([sys.executable, "-m", "vllm_stand_in"]))
+    outputs = []
+    for run in ENGINE_NAMES.values():
+        assert run(argv) == code
+        outputs.append(capsys.readouterr())
+    assert outputs[0] == outputs[1]
+    assert expected_out in outputs[0].out and expected_err in outputs[0].err
+
+
+def test_python_m_gateway_supervisor_is_the_engine_command_too() -> None:
+    answers = [
+        subprocess.run(
+            [sys.executable, "-m", *entry, "profiles"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=25,
+            check=False,
+        )
+        for entry in (["gateway", "engine"], ["gateway.supervisor"])
+    ]
+    assert answers[0].returncode == answers[1].returncode == 0
+    assert answers[0].stdout == answers[1].stdout and "cpu-dev\n" in answers[0].stdout

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from gateway.engine.state import RestartCause
 from gateway.settings import EngineSettings
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, parse_metrics
-from gateway.supervisor.state import RestartCause
 
 pytestmark = pytest.mark.timeout(10)
 

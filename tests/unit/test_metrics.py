@@ -1,4 +1,4 @@
-"""The metrics module, the scrape access rule and the JSON access line, without sockets (issue 9)."""
+"""The metrics module, the scrape access rule and the JSON access line, without sockets."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pydantic import SecretStr
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.doctor.nvml import ActivityReader
+from gateway.engine.state import EngineState, EngineStatus, RestartCause, RestartRecord
 from gateway.errors import KeyStoreUnavailableError, MetricsForbiddenError
 from gateway.exposition import ScrapeAccess
 from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics, WorkersCollector
@@ -25,7 +26,6 @@ from gateway.ratelimit.redis import _exhausted
 from gateway.redis_client import RedisCalls
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import HttpSettings, MetricsSettings, RedisSettings, Settings
-from gateway.supervisor.state import EngineState, EngineStatus, RestartCause, RestartRecord
 from gateway.types import Message, Send
 
 pytestmark = pytest.mark.timeout(10)

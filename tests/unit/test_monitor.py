@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from gateway.engine.state import STATUS_FILE, EngineStatus
 from gateway.errors import EngineUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.relay import monitor as monitor_module
@@ -20,7 +21,6 @@ from gateway.relay.client import EngineClient
 from gateway.relay.monitor import NOT_GENERATING, EngineMonitor
 from gateway.relay.shared import SharedEngineState
 from gateway.settings import Settings
-from gateway.supervisor.state import STATUS_FILE, EngineStatus
 from tests.procs import async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(20)

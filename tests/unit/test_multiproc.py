@@ -1,5 +1,5 @@
 """The metrics directory of a multi-worker gateway: made per start, emptied, removed; a dead worker's live
-gauges dropped (issue 9). The counting across real workers is tests/integration/test_workers_metrics.py."""
+gauges dropped. The counting across real workers is tests/integration/test_workers_metrics.py."""
 
 from __future__ import annotations
 

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 from gateway import cli
-from gateway.settings import EngineSettings, Settings
-from gateway.supervisor import launch
-from gateway.supervisor.cli import write_running_env
-from gateway.supervisor.presets import (
+from gateway.engine import launch
+from gateway.engine.presets import (
     ReasoningSwitch,
     apply_preset,
     engine_profile,
@@ -21,7 +19,9 @@ from gateway.supervisor.presets import (
     reasoning_switch,
     select_preset,
 )
-from gateway.supervisor.profiles import ProfileError, build_argv, load_profiles, select_profile
+from gateway.engine.profiles import ProfileError, build_argv, load_profiles, select_profile
+from gateway.settings import EngineSettings, Settings
+from gateway.supervisor.cli import write_running_env
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from gateway.engine.state import EngineStatus, launched_policy, launched_sequence_slots, sequence_slots
 from gateway.errors import InvalidRequestError
 from gateway.ratelimit.admission import parse_load, retry_after, tier_bounds
 from gateway.relay.model import ModelInfo
 from gateway.settings import AdmissionSettings, Settings
-from gateway.supervisor.state import EngineStatus, launched_policy
 from gateway.validation import effective_priority, prepare_chat
 
 pytestmark = pytest.mark.timeout(5)
@@ -55,6 +55,28 @@ def test_tiers_get_shares_of_the_bounds_the_most_urgent_all_of_them() -> None:
     assert tier_bounds(0, AdmissionSettings()).waiting is None
     with pytest.raises(ValueError, match="share"):
         AdmissionSettings(shares=(1.0, 0.0))
+
+
+def test_reserved_slots_bound_what_lower_tiers_may_hold_never_the_most_urgent() -> None:
+    settings = AdmissionSettings(reserved_seqs=32)
+    assert settings.enabled
+    assert tier_bounds(0, settings, 256).held is None  # priority 0 may take every slot
+    assert tier_bounds(1, settings, 256).held == 224
+    assert tier_bounds(7, settings, 256).held == 224
+    assert tier_bounds(1, settings, None).held is None  # the engine's slots unknown: nothing reserved
+    assert tier_bounds(1, AdmissionSettings(reserved_seqs=300), 256).held == 1  # every tier keeps one place
+    assert tier_bounds(1, AdmissionSettings(max_waiting=8), 256).held is None  # no reserve set
+
+
+def test_the_sequence_slots_are_the_launched_argvs(tmp_path: Path) -> None:
+    assert sequence_slots(["--model", "m", "--max-num-seqs", "256"]) == 256
+    assert sequence_slots(["--max-num-seqs=64", "--data-parallel-size", "2"]) == 128  # per data-parallel rank
+    assert sequence_slots(["--max-num-seqs", "8", "--max-num-seqs", "16"]) == 16  # the last wins, as in argparse
+    assert sequence_slots(["--model", "m"]) is None  # vLLM's default depends on the GPU
+    path = tmp_path / "engine.json"
+    assert launched_sequence_slots(path) is None
+    EngineStatus(sequence_slots=96).write(path)
+    assert launched_sequence_slots(path) == 96
 
 
 def test_retry_after_follows_the_drain_rate_within_bounds() -> None:

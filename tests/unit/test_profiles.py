@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.engine.launch import engine_environment
+from gateway.engine.profiles import ProfileError, build_argv, load_profiles, select_profile, unknown_flags
+from gateway.engine.state import scheduling_policy
 from gateway.settings import EngineSettings
-from gateway.supervisor.launch import engine_environment
-from gateway.supervisor.profiles import ProfileError, build_argv, load_profiles, select_profile, unknown_flags
-from gateway.supervisor.state import scheduling_policy
 
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 

@@ -13,10 +13,10 @@ import pytest
 from gateway.doctor.check import Check, Status
 from gateway.doctor.flags import EngineFlags, engine_flags, human_int, parse_flags
 from gateway.doctor.runner import doctor_config, run_checks
+from gateway.engine.launch import prepare
+from gateway.engine.presets import engine_profile
+from gateway.engine.profiles import load_profiles, select_profile
 from gateway.settings import Settings
-from gateway.supervisor.launch import prepare
-from gateway.supervisor.presets import engine_profile
-from gateway.supervisor.profiles import load_profiles, select_profile
 from tests.procs import free_port
 from tests.unit.doctor.samples import CONFIG, TEMPLATE_NO_BOS, TOKENIZER_CONFIG, by_name, write_model
 

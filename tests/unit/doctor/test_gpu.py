@@ -27,7 +27,7 @@ from gateway.doctor.gpu import (
 )
 from gateway.doctor.nvml import GpuProcess, GpuReadings, PcieLink
 from gateway.doctor.runner import run_checks
-from gateway.supervisor.state import EngineState, EngineStatus
+from gateway.engine.state import EngineState, EngineStatus
 from tests.unit.doctor.samples import GiB, by_name, doctor_config_for, h200
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,5 +1,5 @@
 """The doctor's model checks name the fix the model preset applies, and fail a reasoning model launched without its
-reasoning parser (issue 8); the flags checked are the preset's combined with the profile."""
+reasoning parser; the flags checked are the preset's combined with the profile."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from gateway.doctor.check import Check, Status
 from gateway.doctor.model import ModelFlags, check_model_dir
 from gateway.doctor.runner import doctor_config, run_checks
+from gateway.engine.presets import engine_profile
 from gateway.settings import Settings
-from gateway.supervisor.presets import engine_profile
 from tests.procs import free_port
 from tests.unit.doctor.samples import CONFIG, TOKENIZER_CONFIG, by_name, write_model
 

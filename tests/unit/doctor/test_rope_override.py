@@ -1,6 +1,6 @@
 """Proof, on vLLM's own config loader, of what the doctor's rope_theta row says: with transformers 5, a flat
 `--hf-overrides '{"rope_theta": N}'` leaves the `rope_parameters` Nemotron's attention reads unchanged, and
-`{"rope_parameters": {"rope_theta": N}}` changes them (issue 8)."""
+`{"rope_parameters": {"rope_theta": N}}` changes them."""
 
 from __future__ import annotations
 

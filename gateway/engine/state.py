@@ -21,6 +21,10 @@ RUNNING_ENV = "run.env"
 FCFS = "fcfs"
 PRIORITY = "priority"
 _POLICY_FLAG = "--scheduling-policy"
+# vLLM's bound on sequences running at once, per data-parallel rank: admission keeps
+# `NEMOTRON_ADMISSION__RESERVED_SEQS` of them for the most urgent tier.
+_MAX_NUM_SEQS_FLAG = "--max-num-seqs"
+_DATA_PARALLEL_FLAG = "--data-parallel-size"
 # Restarts kept in the status file: enough to tell a crash loop from one hang, short enough to read.
 HISTORY_LENGTH = 5
 
@@ -88,6 +92,8 @@ class EngineStatus:
     history: list[RestartRecord] = field(default_factory=list)
     # The --scheduling-policy of the argv launched: the gateway sends `priority` only to a "priority" engine.
     scheduling_policy: str = FCFS
+    # Sequences the launched engine runs at once (None: vLLM's own default, which depends on the GPU).
+    sequence_slots: int | None = None
 
     def record_restart(self, record: RestartRecord) -> None:
         """Remember why a life ended (the last `HISTORY_LENGTH` only)."""
@@ -115,15 +121,29 @@ class EngineStatus:
         os.replace(tmp, path)
 
 
-def scheduling_policy(argv: list[str]) -> str:
-    """The --scheduling-policy an engine argv sets (its last one wins, as with argparse), else vLLM's "fcfs"."""
-    policy = FCFS
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value an engine argv gives `flag` (`--flag V` or `--flag=V`; the last one wins, as with argparse)."""
+    value = None
     for index, arg in enumerate(argv):
-        if arg == _POLICY_FLAG and index + 1 < len(argv):
-            policy = argv[index + 1]
-        elif arg.startswith(_POLICY_FLAG + "="):
-            policy = arg.split("=", 1)[1]
-    return policy
+        if arg == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def scheduling_policy(argv: list[str]) -> str:
+    """The --scheduling-policy an engine argv sets, else vLLM's "fcfs"."""
+    return flag_value(argv, _POLICY_FLAG) or FCFS
+
+
+def sequence_slots(argv: list[str]) -> int | None:
+    """Sequences an engine launched with `argv` runs at once: its --max-num-seqs on each of its
+    --data-parallel-size ranks; None when the argv sets no --max-num-seqs (vLLM's default depends on the GPU)."""
+    per_rank, ranks = flag_value(argv, _MAX_NUM_SEQS_FLAG), flag_value(argv, _DATA_PARALLEL_FLAG) or "1"
+    if per_rank is None or not per_rank.isdigit() or not ranks.isdigit():
+        return None
+    return int(per_rank) * int(ranks)
 
 
 def launched_policy(path: Path) -> str:
@@ -131,6 +151,12 @@ def launched_policy(path: Path) -> str:
     `priority`) when there is no such file: an engine the gateway cannot see launched may refuse it."""
     status = read_status(path)
     return status.scheduling_policy if status is not None else FCFS
+
+
+def launched_sequence_slots(path: Path) -> int | None:
+    """The sequence slots of the engine the supervisor whose status file is `path` launched; None when unknown."""
+    status = read_status(path)
+    return status.sequence_slots if status is not None else None
 
 
 def read_status(path: Path) -> EngineStatus | None:

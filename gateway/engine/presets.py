@@ -15,8 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gateway.settings import EngineSettings
-from gateway.supervisor.profiles import (
+from gateway.engine.profiles import (
     Profile,
     ProfileError,
     fold_extends,
@@ -24,6 +23,7 @@ from gateway.supervisor.profiles import (
     read_tables,
     select_profile,
 )
+from gateway.settings import EngineSettings
 
 __all__ = [
     "Preset",
