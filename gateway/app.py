@@ -18,7 +18,7 @@ from gateway import __version__
 from gateway.errors import GatewayError, InternalError, InvalidRequestError
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import ForwardedClientMiddleware, RequestContextMiddleware
-from gateway.relay.shared import SharedEngineState
+from gateway.relay.engine_state import SharedEngineState
 from gateway.routes import RouteTable, health, metrics, openai
 from gateway.services import Services
 from gateway.settings import Settings

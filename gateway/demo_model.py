@@ -59,6 +59,14 @@ TOOL_CALL_TEXT = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Pari
 # A template that breaks without a system message, as the field reports' did (KeyError: 'system').
 _NEEDS_SYSTEM = "{% if messages[0]['role'] != 'system' %}{{ raise_exception(\"KeyError: 'system'\") }}{% endif %}"
 DEFECTS = ("double-bos", "no-template", "needs-system")
+# `thinking=True`: Nemotron 3's think markers as tokens of their own, and its template's habit: the generation
+# prompt opens `<think>`, or writes `<think></think>` with `enable_thinking` false (vLLM's nemotron_v3 parser).
+THINK_START, THINK_END = "<think>", "</think>"
+_THINKING_PROMPT = (
+    "{% if add_generation_prompt %}{{ '<extra_id_1>Assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{% else %}{{ '<think>' }}"
+    "{% endif %}{% endif %}"
+)
 
 _SUBJECTS = (
     "The gateway|A client|The engine|Our operator|The model|Every request|The cache|A stream|The supervisor|"
@@ -104,7 +112,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer() -> Tokenizer:
+def _train_tokenizer(*, thinking: bool = False) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -116,6 +124,8 @@ def _train_tokenizer() -> Tokenizer:
     )
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
     tokenizer.add_tokens([AddedToken(TOOL_CALL_TEXT, normalized=False, special=False)])
+    if thinking:
+        tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in (THINK_START, THINK_END)])
     bos_id = tokenizer.token_to_id(BOS)
     # Plain completions get one BOS, like the real Nemotron tokenizers; chat prompts carry it in the template.
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -182,10 +192,14 @@ def _weights(vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _chat_template(defects: frozenset[str]) -> str | None:
+def _chat_template(defects: frozenset[str], *, thinking: bool = False) -> str | None:
     if "no-template" in defects:
         return None
     template = CHAT_TEMPLATE
+    if thinking:
+        template = template.replace(
+            "{% if add_generation_prompt %}{{ '<extra_id_1>Assistant\\n' }}{% endif %}", _THINKING_PROMPT
+        )
     if "double-bos" in defects:
         template = "{{ bos_token }}" + template
     if "needs-system" in defects:
@@ -193,7 +207,9 @@ def _chat_template(defects: frozenset[str]) -> str | None:
     return template
 
 
-def _tokenizer_config(tokenizer: Tokenizer, defects: frozenset[str] = frozenset()) -> dict[str, Any]:
+def _tokenizer_config(
+    tokenizer: Tokenizer, defects: frozenset[str] = frozenset(), *, thinking: bool = False
+) -> dict[str, Any]:
     added_tokens = {
         str(tokenizer.token_to_id(token)): {
             "content": token,
@@ -205,14 +221,15 @@ def _tokenizer_config(tokenizer: Tokenizer, defects: frozenset[str] = frozenset(
         }
         for token in SPECIAL_TOKENS
     }
-    added_tokens[str(tokenizer.token_to_id(TOOL_CALL_TEXT))] = {
-        "content": TOOL_CALL_TEXT,
-        "lstrip": False,
-        "normalized": False,
-        "rstrip": False,
-        "single_word": False,
-        "special": False,
-    }
+    for text in (TOOL_CALL_TEXT, THINK_START, THINK_END) if thinking else (TOOL_CALL_TEXT,):
+        added_tokens[str(tokenizer.token_to_id(text))] = {
+            "content": text,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": False,
+        }
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -224,7 +241,7 @@ def _tokenizer_config(tokenizer: Tokenizer, defects: frozenset[str] = frozenset(
         "model_max_length": MAX_POSITION_EMBEDDINGS,
         "added_tokens_decoder": added_tokens,
     }
-    template = _chat_template(defects)
+    template = _chat_template(defects, thinking=thinking)
     if template is not None:
         config["chat_template"] = template
     return config
@@ -234,20 +251,22 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_demo_model(directory: Path, *, seed: int = 0, defects: frozenset[str] = frozenset()) -> Path:
+def write_demo_model(
+    directory: Path, *, seed: int = 0, defects: frozenset[str] = frozenset(), thinking: bool = False
+) -> Path:
     """Write config, weights and tokenizer into `directory` (created if needed) and return it.
 
     The same seed gives the same files; the tokenizer does not depend on the seed. `defects` (see DEFECTS) seeds
-    chat-template faults.
+    chat-template faults; `thinking` adds Nemotron 3's think markers and its template's think prompt.
     """
     unknown = defects - set(DEFECTS)
     if unknown:
         raise ValueError(f"unknown defects {sorted(unknown)}; choose from {', '.join(DEFECTS)}")
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer()
+    tokenizer = _train_tokenizer(thinking=thinking)
     vocab_size = tokenizer.get_vocab_size()
     tokenizer.save(str(directory / "tokenizer.json"))
-    _write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer, defects))
+    _write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer, defects, thinking=thinking))
     _write_json(directory / "config.json", _config(vocab_size, tokenizer))
     _write_json(
         directory / "generation_config.json",

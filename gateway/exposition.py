@@ -78,7 +78,8 @@ class Exposition:
         self._retry_after = settings.relay.retry_after
         self.engine_enabled = settings.metrics.engine
         self.access = ScrapeAccess(settings.metrics)
-        self._gpus = ActivityReader()
+        # The engine's GPUs when the operator names them: the `gpu` label takes those values only.
+        self._gpus = ActivityReader(settings.engine.gpus)
         multiproc = metrics_dir()
         if multiproc is None:
             self._registry = metrics.registry

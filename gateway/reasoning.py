@@ -20,11 +20,20 @@ from gateway.engine.profiles import ProfileError
 from gateway.errors import InvalidRequestError
 from gateway.settings import EngineSettings
 
-__all__ = ["ReasoningSwitch", "apply_reasoning", "apply_responses_reasoning", "served_switch"]
+__all__ = [
+    "ReasoningSwitch",
+    "apply_reasoning",
+    "apply_responses_reasoning",
+    "clamp_thinking_budget",
+    "served_switch",
+]
 
 logger = logging.getLogger(__name__)
 
 _OFF_EFFORTS = frozenset(("none", "minimal"))
+# vLLM's thinking budget (chat and text completions); Anthropic's Messages API says `thinking.budget_tokens`,
+# which vLLM reads as the same budget.
+THINKING_BUDGET = "thinking_token_budget"
 _THINK_LINES = {True: "/think", False: "/no_think"}
 _DETAILED = {True: "detailed thinking on", False: "detailed thinking off"}
 # A switch the client wrote into its own system message, replaced by the one the request's switch asks for.
@@ -135,3 +144,20 @@ def apply_responses_reasoning(data: dict[str, Any], switch: ReasoningSwitch) -> 
         data["chat_template_kwargs"] = chat_view["chat_template_kwargs"]
     if chat_view["messages"]:
         data["instructions"] = chat_view["messages"][0]["content"]
+
+
+def clamp_thinking_budget(data: dict[str, Any], ceiling: int | None) -> None:
+    """Cut a thinking budget above `ceiling` (the most tokens the request may generate: its max tokens, else the
+    context length) down to it, in place; -1 (no budget) stays. A budget past the ceiling is never reached, so the
+    answer is the same, but vLLM keeps each request's budget in a 32-bit tensor on the GPU, which a larger number
+    overflows in the engine process, not at its request validation."""
+    if ceiling is None:
+        return
+    budget = data.get(THINKING_BUDGET)
+    if isinstance(budget, int) and budget > ceiling:
+        data[THINKING_BUDGET] = ceiling
+    thinking = data.get("thinking")
+    if isinstance(thinking, dict):
+        tokens = thinking.get("budget_tokens")
+        if isinstance(tokens, int) and tokens > ceiling:
+            data["thinking"] = {**thinking, "budget_tokens": ceiling}

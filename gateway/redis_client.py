@@ -41,7 +41,7 @@ from redis.maint_notifications import MaintNotificationsConfig
 from gateway.background import BackgroundTask, Backoff
 from gateway.errors import KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Settings, parse_redis_url
+from gateway.settings import RedisSettings, Settings, parse_redis_url
 
 logger = logging.getLogger(__name__)
 
@@ -234,8 +234,8 @@ async def ping_redis(settings: Settings) -> str | None:
 class RedisCalls:
     """The error boundary around every Redis call: one deadline, one retry, one mapping."""
 
-    def __init__(self, settings: Settings, metrics: GatewayMetrics | None = None) -> None:
-        self.timeout = settings.redis.command_timeout
+    def __init__(self, settings: RedisSettings, metrics: GatewayMetrics | None = None) -> None:
+        self.timeout = settings.command_timeout
         # Every call's time and every failure (nemotron_gateway_redis_call_duration_seconds, _redis_errors_total).
         self._duration = None if metrics is None else metrics.redis_call_duration
         self._errors = None if metrics is None else metrics.redis_errors

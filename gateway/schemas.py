@@ -118,6 +118,8 @@ class _SamplingFields(_Strict):
     stop: Any = None
     user: StrictStr | None = None
     logit_bias: dict[StrictStr, float] | None = None
+    # vLLM's cap on reasoning tokens (-1: none); a whole number, cut to the completion budget (gateway/reasoning.py).
+    thinking_token_budget: StrictInt | None = Field(None, ge=-1)
 
     _stop = field_validator("stop", mode="before")(_check_stop)
 

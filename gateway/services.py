@@ -6,6 +6,7 @@ One typed container on `app.state` instead of module globals. Imports services, 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as redis_asyncio
@@ -18,12 +19,16 @@ from gateway.ratelimit import EngineAdmission, FailedAuthGuard, RedisRateLimiter
 from gateway.redis_client import close_redis, connect_redis
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
+from gateway.relay.engine_state import SharedEngineState
 from gateway.relay.exchange import EngineRelay
 from gateway.relay.monitor import EngineMonitor
-from gateway.relay.shared import SharedEngineState
+from gateway.relay.served_model import ModelOverrides
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+Start = Callable[[], Awaitable[None]]
+Stop = Callable[[], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -50,13 +55,21 @@ class Services:
         activity = EngineActivity(shared)
         redis = connect_redis(settings)
         admission = EngineAdmission(redis, settings, metrics)
-        monitor = EngineMonitor(engine, settings, metrics, activity, load_observer=admission.observe)
+        monitor = EngineMonitor(
+            engine,
+            settings.relay,
+            metrics,
+            activity,
+            state_dir=settings.engine.state_dir,
+            overrides=ModelOverrides(settings.model_name, settings.context_length),
+            load_observer=admission.observe,
+        )
         return cls(
             settings=settings,
             metrics=metrics,
             engine=engine,
             monitor=monitor,
-            relay=EngineRelay(engine, monitor, activity, settings, metrics),
+            relay=EngineRelay(engine, monitor, activity, settings.relay, metrics),
             redis=redis,
             keys=KeyStore(redis, settings, metrics),
             limiter=RedisRateLimiter(redis, settings, metrics),
@@ -66,21 +79,42 @@ class Services:
         )
 
     async def start(self) -> None:
-        """Open pools and start background probes."""
-        await self.engine.start()
-        await self.monitor.start()
-        await self.check_redis()
+        """Open pools and start background probes. When a part fails to start (or the start is cancelled), the parts
+        already started are stopped, newest first, and the pools closed before the error goes on: a gateway that
+        could not start leaves no client, task or connection behind."""
+        started: list[Stop] = []
+        try:
+            for start, stop in self._parts():
+                await start()
+                started.append(stop)
+        except BaseException:
+            await _stop_all([*reversed(started), self._close_pools])
+            raise
+
+    def _parts(self) -> list[tuple[Start, Stop]]:
+        """What `start` starts, in order, each with what stops it."""
+        parts: list[tuple[Start, Stop]] = [
+            (self.engine.start, self.engine.stop),
+            (self.monitor.start, self.monitor.stop),
+            (self._check_redis_at_start, _nothing),
+        ]
         if self.settings.auth.enabled:
-            if not self.keys.hashes_keyed:
-                logger.warning(
-                    "NEMOTRON_AUTH__SECRET is not set: API keys are stored as plain SHA-256 hashes; set a server "
-                    "secret so a copy of Redis cannot be used to test guessed keys"
-                )
-            await self.keys.start()
-            await self.limiter.start()
-            await self.guard.start()
-        else:
+            parts += [
+                (self.keys.start, self.keys.stop),
+                (self.limiter.start, self.limiter.stop),
+                (self.guard.start, self.guard.stop),
+            ]
+        return parts
+
+    async def _check_redis_at_start(self) -> None:
+        await self.check_redis()  # a Redis that does not answer yet is reported by /ready, not fatal
+        if not self.settings.auth.enabled:
             logger.warning("authentication is OFF (NEMOTRON_AUTH__ENABLED=false): anyone reaching this port is served")
+        elif not self.keys.hashes_keyed:
+            logger.warning(
+                "NEMOTRON_AUTH__SECRET is not set: API keys are stored as plain SHA-256 hashes; set a server "
+                "secret so a copy of Redis cannot be used to test guessed keys"
+            )
 
     async def stop(self) -> None:
         """Stop probes and background tasks, close pools."""
@@ -89,6 +123,10 @@ class Services:
         await self.limiter.stop()
         await self.monitor.stop()
         await self.engine.stop()
+        await self._close_pools()
+
+    async def _close_pools(self) -> None:
+        """Close what `build` made (the Redis pool, NVML): open even when nothing was started."""
         await close_redis(self.redis)
         self.exposition.stop()
 
@@ -101,3 +139,16 @@ class Services:
             return f"Redis does not answer ({type(exc).__name__})"
         self.metrics.redis_up.set(1)
         return None
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def _stop_all(stops: list[Stop]) -> None:
+    """Run every one of `stops`, in order, whatever the others raise (each failure logged)."""
+    for stop in stops:
+        try:
+            await stop()
+        except Exception:
+            logger.exception("stopping a part of the gateway after a failed start failed")

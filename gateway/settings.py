@@ -314,6 +314,21 @@ class EngineSettings(_Group):
     )
     profiles_file: Path | None = Field(None, description="The operator's TOML file of extra or changed profiles.")
     extra_args: tuple[str, ...] = Field((), description="Further `vllm serve` flags (JSON list), after the profile's.")
+    gpus: str | None = Field(
+        None,
+        description="The GPUs the engine uses, as a CUDA_VISIBLE_DEVICES value: indices as nvidia-smi numbers them "
+        "(PCI bus order) or UUIDs, e.g. `0,1`. Unset: what the supervisor inherits. The gateway's GPU metrics cover "
+        "these GPUs only.",
+    )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="vLLM's --tensor-parallel-size, over the profile's and preset's (unset: theirs, or 1)."
+    )
+    data_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM's --data-parallel-size: that many copies of the model in one `vllm serve`, which balances "
+        "requests between them (unset: the profile's or preset's, or 1).",
+    )
     python: str | None = Field(None, description="Python interpreter that has vLLM (default: the gateway's own).")
     launcher: tuple[str, ...] | None = Field(
         None,
@@ -373,7 +388,8 @@ class EngineSettings(_Group):
     @model_validator(mode="before")
     @classmethod
     def _renamed_probe_interval(cls, data: Any) -> Any:
-        # `probe_interval` also names the relay's /health poll; the engine's was renamed (issue 13).
+        # `probe_interval` also names the relay's /health poll; the engine's is `health_interval` now, so that one
+        # name does not mean two intervals (an old `engine.probe_interval` is read as `health_interval`).
         if isinstance(data, dict) and "probe_interval" in data:
             data = dict(data)
             value = data.pop("probe_interval")
@@ -646,7 +662,7 @@ def unknown_variables(env_file: Path | None = None) -> list[str]:
     """One warning per `NEMOTRON_*` name in the environment or `env_file` that is no setting, naming the closest.
 
     pydantic-settings ignores such names in the environment, so a typo (`NEMOTRON_REDIS_ULR`) silently
-    leaves the default in force; said once at start instead (issue 13).
+    leaves the default in force; said once at start instead.
     """
     known = set(setting_names()) | {f"{ENV_PREFIX}ENGINE__PROBE_INTERVAL"}
     found = [(name, "environment") for name in os.environ]
@@ -680,7 +696,8 @@ def inherited_listen_fd() -> int | None:
 
 
 # Where the gateway's worker processes share their metrics: prometheus_client's multiprocess mode, which reads
-# the variable when it is first imported, so it is set before the serving modules are (issue 9).
+# the variable when it is first imported, so it is set before the serving modules are (each scrape then reports
+# every worker's series).
 METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.bounds import ROLE_MARKER, TYPE_MARKER, BodyBounds, count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.reasoning import apply_reasoning, apply_responses_reasoning, served_switch
-from gateway.relay.model import ModelInfo
+from gateway.reasoning import apply_reasoning, apply_responses_reasoning, clamp_thinking_budget, served_switch
+from gateway.relay.served_model import ModelInfo
 from gateway.schemas import (
     ROLES,
     AnthropicCountTokensRequest,
@@ -279,6 +279,7 @@ def _prepare(
     data["model"] = model
     choices = (_check_choices(data, settings) if route.stream_options else 1) * route.prompts(data)
     max_tokens = _check_budget(data, route, info)
+    clamp_thinking_budget(data, max_tokens if max_tokens is not None else info.context_length)
     if route.stream_options:
         stream, wants_usage = _apply_stream_policy(data)
     else:

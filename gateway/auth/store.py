@@ -75,7 +75,7 @@ class KeyStore:
         self._redis = redis
         self._settings = settings.auth
         self._hasher = KeyHasher(settings.auth.secret)
-        self._calls = RedisCalls(settings, metrics)
+        self._calls = RedisCalls(settings.redis, metrics)
         # Every change below is recorded, with `operator` (default: the OS user), in the audit trail.
         self.audit = KeyAudit(redis, self._calls, settings.auth.audit_max_entries, operator)
         # A revoked or changed key's per-key series stop being exported (bounded cardinality, issue 9).

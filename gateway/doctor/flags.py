@@ -22,6 +22,13 @@ _NO_MODEL = "\0no-model"
 _HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# vLLM's short names of the parallel sizes (vllm/engine/arg_utils.py).
+_SHORT = {
+    "-tp": "tensor-parallel-size",
+    "-pp": "pipeline-parallel-size",
+    "-dp": "data-parallel-size",
+    "-dpl": "data-parallel-size-local",
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,11 @@ class EngineFlags:
     hf_overrides_error: str | None = None  # --hf-overrides given but not a JSON object
     download_dir: str | None = None  # where vLLM looks for (and puts) hub downloads instead of the HF cache
     reasoning_parser: str | None = None
+    # The parallel sizes (vLLM's default 1; data_parallel_size_local None: all data-parallel ranks on this host).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
 
 
 def _options(argv: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -48,6 +60,9 @@ def _options(argv: Sequence[str]) -> list[tuple[str, str | None]]:
     while i < len(argv):
         arg = argv[i]
         i += 1
+        short, eq, rest = arg.partition("=")
+        if short in _SHORT:
+            arg = f"--{_SHORT[short]}{eq}{rest}"
         if not arg.startswith("--"):
             continue
         name, eq, value = arg[2:].partition("=")
@@ -125,7 +140,16 @@ def parse_flags(argv: Sequence[str]) -> EngineFlags:
         hf_overrides_error=overrides_error,
         download_dir=values.get("download-dir"),
         reasoning_parser=values.get("reasoning-parser") or None,
+        tensor_parallel_size=_size(values.get("tensor-parallel-size")) or 1,
+        pipeline_parallel_size=_size(values.get("pipeline-parallel-size")) or 1,
+        data_parallel_size=_size(values.get("data-parallel-size")) or 1,
+        data_parallel_size_local=_size(values.get("data-parallel-size-local")),
     )
+
+
+def _size(text: str | None) -> int | None:
+    """A parallel size as vLLM's argparse reads it (a whole number), None when absent or not one."""
+    return int(text) if text is not None and text.strip().isdigit() and int(text) > 0 else None
 
 
 def engine_flags(engine: EngineSettings, profile: Profile) -> EngineFlags:

@@ -6,10 +6,13 @@ nvidia-smi parsing. Imports nothing of ours.
 
 from __future__ import annotations
 
+import enum
+import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 try:
     import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type information
@@ -46,6 +49,29 @@ class GpuDevice:
     compute_capability: tuple[int, int]
     pcie: PcieLink
     processes: tuple[GpuProcess, ...] = ()
+    minor: int | None = None  # N of /dev/nvidiaN, the node a process opens to use this GPU
+
+
+class Topology(enum.IntEnum):
+    """How two GPUs are connected, nearest first (NVML's nvmlGpuTopologyLevel_t values)."""
+
+    INTERNAL = 0  # one board (a dual-GPU card)
+    SINGLE = 10  # one PCIe switch
+    MULTIPLE = 20  # several PCIe switches, no host bridge
+    HOSTBRIDGE = 30  # one host bridge
+    NODE = 40  # host bridges of one NUMA node
+    SYSTEM = 50  # across NUMA nodes (the CPUs' interconnect)
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """Two GPUs (NVML indices) and what joins them: NVLink, peer-to-peer reads over PCIe, the PCIe path."""
+
+    first: int
+    second: int
+    nvlink: bool
+    peer_access: bool  # CUDA peer-to-peer reads work (over NVLink or PCIe)
+    topology: Topology | None  # None: NVML did not say
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,37 @@ class GpuReadings:
     cuda_driver: tuple[int, int] | None = None  # the newest CUDA the driver supports
     devices: tuple[GpuDevice, ...] = ()
     error: str | None = None  # NVML unusable although the machine has NVIDIA device nodes
+    links: tuple[GpuLink, ...] = ()  # every pair of devices, (0, 1), (0, 2), ... (1, 2), ...
+
+    def link(self, first: int, second: int) -> GpuLink | None:
+        """The link between the GPUs with these NVML indices, in either order."""
+        low, high = sorted((first, second))
+        return next((k for k in self.links if (k.first, k.second) == (low, high)), None)
+
+
+class _Numbered(Protocol):
+    @property
+    def index(self) -> int: ...
+    @property
+    def uuid(self) -> str: ...
+
+
+_Gpu = TypeVar("_Gpu", bound=_Numbered)
+
+
+def visible(gpus: Sequence[_Gpu], value: str | None) -> list[_Gpu]:
+    """The GPUs a CUDA_VISIBLE_DEVICES value names, in its order (NVML itself ignores the variable); all of them
+    when it is unset or names none. Indices are NVML's, which CUDA shares under CUDA_DEVICE_ORDER=PCI_BUS_ID (the
+    supervisor sets it); a UUID may be given by a unique prefix. CUDA stops at the first entry that names no GPU."""
+    if value is None:
+        return list(gpus)
+    chosen: list[_Gpu] = []
+    for token in (t.strip() for t in value.split(",")):
+        match = [g for g in gpus if token and ((token.isdigit() and g.index == int(token)) or g.uuid.startswith(token))]
+        if len(match) != 1:
+            break
+        chosen.append(match[0])
+    return chosen or list(gpus)
 
 
 def device_nodes(dev: Path = Path("/dev")) -> dict[str, bool]:
@@ -63,6 +120,20 @@ def device_nodes(dev: Path = Path("/dev")) -> dict[str, bool]:
     except OSError:
         return {}
     return {str(p): os.access(p, os.R_OK | os.W_OK) for p in paths if not p.is_dir()}
+
+
+def open_error(path: Path) -> str | None:
+    """None when this process can open the device node for reading and writing, else why not.
+
+    Opened, not `os.access`ed: a devices cgroup (a container's GPU isolation) refuses the open with EPERM while
+    the mode bits, which os.access reads, allow it. No GPU context is made: opening the node only reaches the driver.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    return None
 
 
 def _text(value: Any) -> str:
@@ -142,7 +213,33 @@ def _device(index: int) -> GpuDevice:
         compute_capability=(int(major), int(minor)),
         pcie=_pcie(handle),
         processes=_processes(handle),
+        minor=_optional_int(pynvml.nvmlDeviceGetMinorNumber, handle),
     )
+
+
+# nvmlGpuP2PCapsIndex_t: NVML_P2P_CAPS_INDEX_READ is 0 (nvidia-ml-py 13 defines it as the tuple `(0,)`, a stray
+# comma, so the literal is used), NVML_P2P_CAPS_INDEX_NVLINK is 2; NVML_P2P_STATUS_OK is 0.
+_P2P_READ, _P2P_NVLINK, _P2P_OK = 0, 2, 0
+
+
+def _p2p(first: Any, second: Any, index: int) -> bool:
+    try:
+        return int(pynvml.nvmlDeviceGetP2PStatus(first, second, index)) == _P2P_OK
+    except pynvml.NVMLError:
+        return False
+
+
+def _link(first: int, second: int) -> GpuLink:
+    a, b = pynvml.nvmlDeviceGetHandleByIndex(first), pynvml.nvmlDeviceGetHandleByIndex(second)
+    try:
+        topology: Topology | None = Topology(int(pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b)))
+    except (pynvml.NVMLError, ValueError):
+        topology = None
+    return GpuLink(first, second, _p2p(a, b, _P2P_NVLINK), _p2p(a, b, _P2P_READ), topology)
+
+
+def _links(count: int) -> tuple[GpuLink, ...]:
+    return tuple(_link(first, second) for first, second in itertools.combinations(range(count), 2))
 
 
 def read_gpus() -> GpuReadings:
@@ -156,10 +253,12 @@ def read_gpus() -> GpuReadings:
         return GpuReadings(error=f"NVML init failed: {exc}" if has_nodes else None)
     try:
         cuda = int(pynvml.nvmlSystemGetCudaDriverVersion())
+        count = int(pynvml.nvmlDeviceGetCount())
         return GpuReadings(
             driver_version=_text(pynvml.nvmlSystemGetDriverVersion()),
             cuda_driver=(cuda // 1000, cuda % 1000 // 10),
-            devices=tuple(_device(i) for i in range(int(pynvml.nvmlDeviceGetCount()))),
+            devices=tuple(_device(i) for i in range(count)),
+            links=_links(count),
         )
     except pynvml.NVMLError as exc:
         return GpuReadings(error=f"NVML: {exc}")
@@ -183,21 +282,35 @@ class GpuActivity:
     pcie_rx: float | None  # bytes/s, host to device
 
 
-class ActivityReader:
-    """Reads every GPU's activity; NVML is initialised on the first read and kept (an init can take a second
-    on a GPU without persistence mode), shut down by `close`. No GPU or no NVML: an empty tuple, every time."""
+@dataclass(frozen=True)
+class _Named:
+    index: int
+    uuid: str
 
-    def __init__(self) -> None:
+
+class ActivityReader:
+    """Reads the activity of every GPU, or of those `gpus` names (a CUDA_VISIBLE_DEVICES value: the engine's); NVML
+    is initialised on the first read and kept (an init can take a second on a GPU without persistence mode), shut
+    down by `close`. No GPU or no NVML: an empty tuple, every time."""
+
+    def __init__(self, gpus: str | None = None) -> None:
         self._ready: bool | None = None  # None: not tried yet; False: no NVML here
+        self._gpus = gpus
 
     def read(self) -> tuple[GpuActivity, ...]:
-        """Every GPU's activity now (blocking: a few NVML calls per GPU; call it off the event loop)."""
+        """The GPUs' activity now (blocking: a few NVML calls per GPU; call it off the event loop)."""
         if self._ready is None:
             self._ready = _init()
         if not self._ready:
             return ()
         try:
-            return tuple(_activity(i) for i in range(int(pynvml.nvmlDeviceGetCount())))
+            indices: Sequence[int] = range(int(pynvml.nvmlDeviceGetCount()))
+            if self._gpus is not None:
+                named = [
+                    _Named(i, _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))) for i in indices
+                ]
+                indices = [gpu.index for gpu in visible(named, self._gpus)]
+            return tuple(_activity(i) for i in indices)
         except pynvml.NVMLError:
             return ()
 

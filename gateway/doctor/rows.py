@@ -25,6 +25,12 @@ GPU_MEMORY = Row("GPU memory free", fatal=True)
 CUDA_VISIBLE_DEVICES = Row("CUDA_VISIBLE_DEVICES", fatal=True)
 PCIE = Row("PCIe link")
 DEVICE_NODES = Row("GPU device nodes")
+# An engine on several GPUs (multigpu.py).
+GPU_COUNT = Row("GPUs for parallelism", fatal=True)
+GPU_ACCESS = Row("GPUs usable (cgroup)", fatal=True)
+PEER_LINKS = Row("GPU peer links")
+NCCL_ENV = Row("NCCL environment")
+GPU_PROCESSES = Row("other GPU processes")
 
 CGROUP = Row("cgroup")
 OPEN_FILES = Row("open files (ulimit -n)")
@@ -43,7 +49,20 @@ BOS = Row("BOS token")
 ROPE_THETA = Row("rope_theta")
 CONTEXT_LENGTH = Row("context length", fatal=True)
 
-GPU_ROWS = (GPU_PRESENT, DRIVER, FLASH_ATTN, GPU_MEMORY, CUDA_VISIBLE_DEVICES, PCIE, DEVICE_NODES)
+GPU_ROWS = (
+    GPU_PRESENT,
+    DRIVER,
+    FLASH_ATTN,
+    GPU_MEMORY,
+    CUDA_VISIBLE_DEVICES,
+    PCIE,
+    DEVICE_NODES,
+    GPU_COUNT,
+    GPU_ACCESS,
+    PEER_LINKS,
+    NCCL_ENV,
+    GPU_PROCESSES,
+)
 HOST_ROWS = (CGROUP, OPEN_FILES, DISK, PROXY, REDIS, ENGINE_PORT)
 MODEL_ROWS = (
     MODEL_DIRECTORY,

@@ -48,9 +48,20 @@ from gateway.doctor.host import (
     read_open_files,
 )
 from gateway.doctor.model import ModelFlags, check_model_dir, resolve_model
-from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, read_gpus
+from gateway.doctor.multigpu import (
+    Parallelism,
+    check_gpu_access,
+    check_nccl_environment,
+    check_other_processes,
+    check_parallel_gpus,
+    check_peer_links,
+    network_interfaces,
+    node_of,
+    process_name,
+)
+from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, open_error, read_gpus, visible
 from gateway.doctor.running import RunningEngine, running_engine
-from gateway.engine.launch import engine_python
+from gateway.engine.launch import added_variables, engine_environment, engine_python
 from gateway.engine.profiles import Profile, build_argv
 from gateway.settings import Settings, masked_redis_url
 
@@ -84,6 +95,9 @@ class DoctorConfig:
     engine_args: tuple[str, ...] = ()
     engine_env: Mapping[str, str] = field(default_factory=dict)
     verdict_cache: Path | None = None  # where vLLM's verdicts are kept (the state dir); None: not kept
+    parallel: Parallelism = field(
+        default_factory=Parallelism
+    )  # --tensor-parallel-size, --data-parallel-size, ... of the argv
 
 
 def hub_cache(env: Mapping[str, str]) -> Path:
@@ -96,21 +110,6 @@ def hub_cache(env: Mapping[str, str]) -> Path:
     return base / "huggingface" / "hub"
 
 
-def _visible(devices: Sequence[GpuDevice], value: str | None) -> list[GpuDevice]:
-    """The GPUs CUDA will use (NVML ignores CUDA_VISIBLE_DEVICES); all of them if it names none."""
-    if value is None:
-        return list(devices)
-    chosen: list[GpuDevice] = []
-    for token in (t.strip() for t in value.split(",")):
-        match = [
-            d for d in devices if token and ((token.isdigit() and d.index == int(token)) or d.uuid.startswith(token))
-        ]
-        if len(match) != 1:
-            break
-        chosen.append(match[0])
-    return chosen or list(devices)
-
-
 def _gpu_checks(
     config: DoctorConfig, readings: GpuReadings, env: Mapping[str, str], engine: RunningEngine | None
 ) -> list[Check]:
@@ -118,12 +117,14 @@ def _gpu_checks(
     nodes = check_device_nodes(device_nodes(), bool(readings.devices))
     if not readings.devices or config.cpu:
         why = "skipped: CPU profile" if readings.devices else NO_GPU
-        between = (r for r in rows.GPU_ROWS if r not in (rows.GPU_PRESENT, rows.DEVICE_NODES))
-        return [present, *(skipped(row, why) for row in between), nodes]
+        given = {rows.GPU_PRESENT.name: present, rows.DEVICE_NODES.name: nodes}
+        return [given.get(row.name) or skipped(row, why) for row in rows.GPU_ROWS]
     torch = read_torch_build()
     flash = read_flash_attn_build(flash_attn_libraries())
-    visible = _visible(readings.devices, env.get("CUDA_VISIBLE_DEVICES"))
-    labels = [f"GPU {d.index}" for d in visible]
+    # The engine's own environment decides which GPUs it sees (NEMOTRON_ENGINE__GPUS reaches it there).
+    engine_env = {**env, **config.engine_env}
+    engine_gpus = visible(readings.devices, engine_env.get("CUDA_VISIBLE_DEVICES"))
+    labels = [f"GPU {d.index}" for d in engine_gpus]
     driver = check_driver_vs_torch(
         readings.cuda_driver,
         torch.cuda if torch else None,
@@ -133,24 +134,47 @@ def _gpu_checks(
     return [
         present,
         driver,
-        worst(rows.FLASH_ATTN, [check_flash_attn(d.compute_capability, flash) for d in visible], labels),
+        worst(rows.FLASH_ATTN, [check_flash_attn(d.compute_capability, flash) for d in engine_gpus], labels),
         worst(
             rows.GPU_MEMORY,
             [
                 check_gpu_memory(d.memory_free, d.memory_total, config.gpu_memory_utilization, _held(d, engine))
-                for d in visible
+                for d in engine_gpus
             ],
             labels,
         ),
         check_cuda_visible_devices(
-            env.get("CUDA_VISIBLE_DEVICES"), len(readings.devices), [d.uuid for d in readings.devices]
+            engine_env.get("CUDA_VISIBLE_DEVICES"), len(readings.devices), [d.uuid for d in readings.devices]
         ),
         worst(
             rows.PCIE,
-            [check_pcie(d.pcie.gen, d.pcie.width, d.pcie.max_gen, d.pcie.max_width) for d in visible],
+            [check_pcie(d.pcie.gen, d.pcie.width, d.pcie.max_gen, d.pcie.max_width) for d in engine_gpus],
             labels,
         ),
         nodes,
+        *_multi_gpu_checks(config, readings, engine_gpus, engine_env, engine),
+    ]
+
+
+def _multi_gpu_checks(
+    config: DoctorConfig,
+    readings: GpuReadings,
+    engine_gpus: Sequence[GpuDevice],
+    engine_env: Mapping[str, str],
+    engine: RunningEngine | None,
+) -> list[Check]:
+    """The rows of an engine on several GPUs, for the GPUs it will use (the first `parallel.gpus` it sees)."""
+    used = list(engine_gpus[: max(config.parallel.gpus, 1)])
+    nodes = {d.index: node_of(d) for d in used}
+    errors = {index: open_error(node) for index, node in nodes.items() if node is not None}
+    ours = engine.pids if engine is not None else frozenset()
+    others = {p.pid for d in used for p in d.processes if p.pid not in ours}
+    return [
+        check_parallel_gpus(config.parallel, engine_gpus, len(readings.devices)),
+        check_gpu_access(used, errors),
+        check_peer_links(config.parallel, used, readings),
+        check_nccl_environment(engine_env, len(used), network_interfaces()),
+        check_other_processes(used, ours, {pid: process_name(pid) for pid in others}),
     ]
 
 
@@ -261,6 +285,13 @@ def doctor_config(settings: Settings, profile: Profile) -> DoctorConfig:
         # A custom launcher does not start the installed vLLM's server: there is no verdict of its to ask for.
         engine_python=None if settings.engine.launcher else engine_python(settings.engine),
         engine_args=tuple(build_argv([], settings.engine, profile)) if settings.engine.model else (),
-        engine_env=dict(profile.env),
+        # What the supervisor adds to its own environment: the profile's variables, the GPUs, NCCL's defaults.
+        engine_env=added_variables(engine_environment(profile, gpus=settings.engine.gpus)),
         verdict_cache=settings.engine.state_dir,
+        parallel=Parallelism(
+            flags.tensor_parallel_size,
+            flags.pipeline_parallel_size,
+            flags.data_parallel_size,
+            flags.data_parallel_size_local,
+        ),
     )

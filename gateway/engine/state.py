@@ -24,7 +24,8 @@ _POLICY_FLAG = "--scheduling-policy"
 # vLLM's bound on sequences running at once, per data-parallel rank: admission keeps
 # `NEMOTRON_ADMISSION__RESERVED_SEQS` of them for the most urgent tier.
 _MAX_NUM_SEQS_FLAG = "--max-num-seqs"
-_DATA_PARALLEL_FLAG = "--data-parallel-size"
+DATA_PARALLEL_FLAG = "--data-parallel-size"
+TENSOR_PARALLEL_FLAG = "--tensor-parallel-size"
 # Restarts kept in the status file: enough to tell a crash loop from one hang, short enough to read.
 HISTORY_LENGTH = 5
 
@@ -94,6 +95,12 @@ class EngineStatus:
     scheduling_policy: str = FCFS
     # Sequences the launched engine runs at once (None: vLLM's own default, which depends on the GPU).
     sequence_slots: int | None = None
+    # The engine's processes when last looked at (vLLM, its EngineCore, a worker per GPU, ...), each watched.
+    processes: list[int] = field(default_factory=list)
+    # The GPUs it was given (its CUDA_VISIBLE_DEVICES; None: every GPU) and its parallel sizes.
+    gpus: str | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def record_restart(self, record: RestartRecord) -> None:
         """Remember why a life ended (the last `HISTORY_LENGTH` only)."""
@@ -132,6 +139,12 @@ def flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
+def parallel_size(argv: list[str], flag: str) -> int:
+    """A parallel size an engine argv sets (`--tensor-parallel-size`, `--data-parallel-size`), else vLLM's 1."""
+    value = flag_value(argv, flag) or "1"
+    return int(value) if value.isdigit() else 1
+
+
 def scheduling_policy(argv: list[str]) -> str:
     """The --scheduling-policy an engine argv sets, else vLLM's "fcfs"."""
     return flag_value(argv, _POLICY_FLAG) or FCFS
@@ -140,10 +153,10 @@ def scheduling_policy(argv: list[str]) -> str:
 def sequence_slots(argv: list[str]) -> int | None:
     """Sequences an engine launched with `argv` runs at once: its --max-num-seqs on each of its
     --data-parallel-size ranks; None when the argv sets no --max-num-seqs (vLLM's default depends on the GPU)."""
-    per_rank, ranks = flag_value(argv, _MAX_NUM_SEQS_FLAG), flag_value(argv, _DATA_PARALLEL_FLAG) or "1"
-    if per_rank is None or not per_rank.isdigit() or not ranks.isdigit():
+    per_rank = flag_value(argv, _MAX_NUM_SEQS_FLAG)
+    if per_rank is None or not per_rank.isdigit():
         return None
-    return int(per_rank) * int(ranks)
+    return int(per_rank) * parallel_size(argv, DATA_PARALLEL_FLAG)
 
 
 def launched_policy(path: Path) -> str:

@@ -1,8 +1,9 @@
-"""Per-key requests/min, tokens/min, concurrency and token budgets, held across processes in Redis; the failed-auth
-guard; admission before the engine's queue."""
+"""Per-key requests/min, tokens/min, concurrency and token budgets, held across processes in Redis (a request holds
+them through one `RequestLease`); the failed-auth guard; admission before the engine's queue."""
 
 from gateway.ratelimit.admission import EngineAdmission
 from gateway.ratelimit.guard import FailedAuthGuard
+from gateway.ratelimit.lease import RequestLease
 from gateway.ratelimit.limiter import (
     BudgetWindows,
     EffectiveLimits,
@@ -25,6 +26,7 @@ __all__ = [
     "LimitedKey",
     "RateLimiter",
     "RedisRateLimiter",
+    "RequestLease",
     "TokenDetail",
     "Usage",
     "format_reset",

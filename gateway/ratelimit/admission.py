@@ -169,7 +169,7 @@ class EngineAdmission:
         self._settings = settings.admission
         self._fail_open = settings.limits.fail_open
         self._metrics = metrics
-        self._calls = RedisCalls(settings, metrics)
+        self._calls = RedisCalls(settings.redis, metrics)
         name = engine_id(settings)
         self._keys = [f"{_PREFIX}{{{name}}}:load", f"{_PREFIX}{{{name}}}:admitted"]
         self._admit = DirectScript(redis, ADMIT)

@@ -49,7 +49,7 @@ class FailedAuthGuard:
     def __init__(self, redis: redis_asyncio.Redis, settings: Settings, metrics: GatewayMetrics | None = None) -> None:
         self._redis = redis
         self._settings = settings.auth
-        self._calls = RedisCalls(settings, metrics)
+        self._calls = RedisCalls(settings.redis, metrics)
         self._record = DirectScript(redis, _RECORD_FAILURE)
         # Blocks this process already knows of, so a blocked client hammering us costs no Redis call.
         self._blocked_until: dict[str, float] = {}

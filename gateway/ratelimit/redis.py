@@ -140,7 +140,7 @@ class RedisRateLimiter:
         self._settings = settings.limits
         self._window_ms = max(1, round(settings.limits.window * 1000))
         self._ttl_ms = max(1, round(settings.limits.lease_ttl * 1000))
-        self._calls = RedisCalls(settings, metrics)
+        self._calls = RedisCalls(settings.redis, metrics)
         # An admission is retried at once, within one call's deadline; a release for as long as its slot lives.
         self._admitted_marker_ms = max(1, round(2 * self._calls.timeout * 1000))
         self._released_marker_ms = self._ttl_ms + 2 * self._admitted_marker_ms

@@ -4,7 +4,8 @@ aiohttp, not httpx, on the relay path: the overhead benchmark (loadtest/overhead
 async client costing several times more CPU per request and per chunk. aiohttp's exceptions are
 mapped to gateway errors in one place, `engine_errors()` (httpx's `map_httpcore_exceptions`
 pattern), used around every call here and by `UpstreamResponse`'s read methods, so nothing else in
-the gateway imports aiohttp. Imports settings and errors only.
+the gateway imports aiohttp; what relies on aiohttp's internals (the response's stream reader) is in
+`relay/aiohttp_internals.py`. Imports settings, errors and that module only.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -27,6 +28,7 @@ from gateway.errors import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
+from gateway.relay.aiohttp_internals import Tap, adopt_reader, tap_reader, untap_reader
 from gateway.settings import Settings
 
 # The one-token generation probe's request ids start with this (the test engine leaves them out of its log).
@@ -72,43 +74,6 @@ def engine_errors(timeout_message: str, retry_after: float = 1.0) -> Iterator[No
         raise map_engine_error(exc, timeout_message, retry_after) from None
 
 
-# A tap sees each body chunk in the connection's data callback and returns True when it relayed it itself.
-Tap = Callable[[bytes], bool]
-# Taps by id() of the reader: aiohttp's StreamReader has __slots__, so the tap cannot be an attribute of it.
-_taps: dict[int, Tap] = {}
-
-
-class _EngineStreamReader(aiohttp.StreamReader):
-    """aiohttp's StreamReader that hands over what it buffered before raising the connection's error.
-
-    aiohttp's `readany()` raises a stored error before it returns buffered bytes, so a stream the engine cut right
-    after a burst lost the chunks that had arrived (at 0 ms between tokens, 2 of 40 streams got only the error).
-    Same slots as its base, so a live reader can become one (`__class__` assignment).
-    """
-
-    __slots__ = ()
-
-    async def readany(self) -> bytes:
-        if self._exception is not None and self._buffer:
-            return self._read_nowait(-1)
-        return await super().readany()
-
-
-class _TappedStreamReader(_EngineStreamReader):
-    """The engine's StreamReader that offers each chunk to its tap before buffering it (the fast relay path).
-
-    A chunk the tap relays never enters the buffer: no future is resolved and the reading task is not woken for it.
-    """
-
-    __slots__ = ()
-
-    def feed_data(self, data: bytes, size: int = 0) -> bool:
-        tap = _taps.get(id(self))
-        if tap is not None and data and tap(data):
-            return False
-        return super().feed_data(data, size)
-
-
 class UpstreamResponse:
     """A started engine response: status and headers are known, the body is still to be read."""
 
@@ -117,8 +82,7 @@ class UpstreamResponse:
     def __init__(self, response: aiohttp.ClientResponse, retry_after: float = 1.0) -> None:
         self._response = response
         self._content = response.content
-        if type(self._content) is aiohttp.StreamReader:
-            self._content.__class__ = _EngineStreamReader
+        adopt_reader(self._content)  # its buffered bytes are handed over before a connection error is raised
         self._retry_after = retry_after
         self.status = response.status
         self.content_type = response.headers.get("content-type", "application/json")
@@ -145,21 +109,16 @@ class UpstreamResponse:
         """Offer every further body chunk to `relay` where it arrives, in the connection's data callback, before
         it is buffered for `read_chunk`; a chunk `relay` returns True for is not buffered. False (and nothing
         done) when the body is not read by aiohttp's own StreamReader."""
-        content = self._content
-        if type(content) is not _EngineStreamReader:
-            return False
-        content.__class__ = _TappedStreamReader
-        _taps[id(content)] = relay
-        return True
+        return tap_reader(self._content, relay)
 
     def close(self) -> None:
         """Drop the connection; the engine sees the disconnect and aborts the generation."""
-        _taps.pop(id(self._content), None)
+        untap_reader(self._content)
         self._response.close()
 
     def release(self) -> None:
         """Return a fully read connection to the pool."""
-        _taps.pop(id(self._content), None)
+        untap_reader(self._content)
         self._response.release()
 
 

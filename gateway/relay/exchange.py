@@ -1,11 +1,12 @@
 """EngineRelay: one request's exchange with the engine, from the first byte sent to the lease settled.
 
-The route hands over a validated body and a way to settle the key's token charge; the relay opens
+The route hands over a validated body and the request's rate-limit lease (`ratelimit.RequestLease`); the relay opens
 the engine request (under a unique engine-side request id), reads the answer or hands the stream to
 `SSERelay`, records progress for the monitor, marks the engine down on a refused connection, counts
-every engine failure by kind (`nemotron_gateway_engine_errors_total`) and settles the charge exactly
-once, on every path. Answers are ASGI apps (`BufferedAnswer`, `SSERelay`), so no web framework is
-imported. Imports settings, errors, metrics, the request record and the relay's own modules.
+every engine failure by kind (`nemotron_gateway_engine_errors_total`) and settles the exchange exactly
+once, on every path (`Settlement`: the lease released with the tokens the engine reported, then the route's own
+step). Answers are ASGI apps (`BufferedAnswer`, `SSERelay`), so no web framework is imported. Imports settings,
+errors, metrics, the request record and the relay's own modules.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 import orjson
+from prometheus_client import Counter
 
 from gateway.errors import (
     EngineBusyError,
@@ -36,11 +39,12 @@ from gateway.relay.client import (
     UpstreamResponse,
     engine_error_body,
 )
+from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.shapes import CHAT, WireShape
-from gateway.relay.sse import ClientDisconnectedError, SSERelay, run_until_disconnect
+from gateway.relay.sse import SSERelay
 from gateway.requestlog import EngineErrorKind, RequestRecord
-from gateway.settings import Settings
+from gateway.settings import RelaySettings
 from gateway.types import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -48,8 +52,8 @@ logger = logging.getLogger(__name__)
 # vLLM answers 503 for a request its own queue bounds refuse (vllm/exceptions.py, QueueOverflowError, 0.32).
 ENGINE_BUSY = 503
 
-# Settles a key's token charge: the tokens the engine reported, 0 to refund, None to keep the estimate.
-Settle = Callable[[int | None], Awaitable[None]]
+# A route's own step once the exchange is settled (the stored response's owner remembered).
+AfterSettle = Callable[[], Awaitable[None]]
 CLIENT_CLOSED_REQUEST = 499
 
 _KIND_OF_ERROR: tuple[tuple[type[GatewayError], EngineErrorKind], ...] = (
@@ -87,6 +91,57 @@ class BufferedAnswer:
         await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
+class HeldLease(Protocol):
+    """The request's rate-limit lease as the exchange sees it (`ratelimit.RequestLease`): released when it ends."""
+
+    async def release(self, used_tokens: int | None, record: RequestRecord | None = None) -> None:
+        """Reconcile with `used_tokens` (None keeps the estimate, 0 refunds), with the detail on `record`."""
+        ...
+
+
+class Settlement:
+    """Settles one exchange, exactly once however often it is asked: counts its engine failure, if any, releases the
+    key's lease with the tokens the engine reported, then runs the route's own step.
+
+    Unknown usage keeps the estimate when the engine may have worked (a timeout after it took the request, a
+    stream cut short, a client gone) and is refunded when it surely did not (a refused connection, an error
+    answer, a failure before the request was sent).
+    """
+
+    __slots__ = ("_after", "_errors", "_lease", "_record", "_settled")
+
+    def __init__(
+        self,
+        record: RequestRecord,
+        lease: HeldLease | None,
+        after: AfterSettle | None,
+        errors: Mapping[EngineErrorKind, Counter],
+    ) -> None:
+        self._record = record
+        self._lease = lease
+        self._after = after
+        self._errors = errors
+        self._settled = False
+
+    async def settle(self) -> None:
+        """Count, release and run the route's step (the first call; later ones do nothing)."""
+        if self._settled:
+            return
+        self._settled = True
+        record = self._record
+        kind = record.engine_error
+        if kind is not None:
+            self._errors[kind].inc()
+        if self._lease is not None:
+            used = record.total_tokens
+            sent = record.engine_request_id is not None
+            if used is None and (not sent or (kind is not None and not kind.engine_worked)):
+                used = 0
+            await self._lease.release(used, record)
+        if self._after is not None:
+            await self._after()
+
+
 class _Waiter:
     """An exchange waiting for the engine's answer; the monitor ends it (by cancelling) when the engine is stuck."""
 
@@ -111,7 +166,7 @@ class EngineRelay:
         client: EngineClient,
         monitor: EngineMonitor,
         activity: EngineActivity,
-        settings: Settings,
+        settings: RelaySettings,
         metrics: GatewayMetrics,
     ) -> None:
         self._client = client
@@ -132,7 +187,8 @@ class EngineRelay:
         stream: bool,
         strip_usage: bool,
         headers: Mapping[str, str],
-        settle: Settle | None,
+        lease: HeldLease | None = None,
+        after: AfterSettle | None = None,
         shape: WireShape = CHAT,
         method: str = "POST",
         engine_headers: Mapping[str, str] | None = None,
@@ -140,9 +196,10 @@ class EngineRelay:
         """Send `body` to the engine's `path`: the answer as an ASGI app, or a GatewayError (5xx). `shape` is the
         API's wire shape (how its stream ends and fails); `engine_headers` go to the engine with the request.
 
-        `settle` runs exactly once: when the answer is read, when the stream ends, or on the error.
-        `headers` (the key's rate-limit headers) go on the answer.
+        The exchange is settled exactly once (`Settlement`: `lease` released, then `after` run): when the answer is
+        read, when the stream ends, or on the error. `headers` (the key's rate-limit headers) go on the answer.
         """
+        settlement = Settlement(record, lease, after, self._errors)
         try:
             exchange = self._open_and_read(
                 path, body, record, read_body=not stream, method=method, headers=engine_headers
@@ -151,38 +208,34 @@ class EngineRelay:
         except ClientDisconnectedError:
             record.client_disconnected = True
             self._metrics.client_disconnects.labels("non_stream").inc()
-            await self._finish(record, settle)
+            await settlement.settle()
             return BufferedAnswer(CLIENT_CLOSED_REQUEST, b"", None, {})
         except BaseException:
-            await self._finish(record, settle)
+            await settlement.settle()
             raise
         if upstream.status != 200:
             record.engine_error = EngineErrorKind.ERROR_STATUS
-            await self._finish(record, settle)
+            await settlement.settle()
             if upstream.status in ENGINE_KEY_REFUSED:  # the gateway's own key, not the client's: never a 401
-                raise EngineCredentialsError(ENGINE_KEY_MESSAGE, retry_after=self._settings.relay.retry_after)
+                raise EngineCredentialsError(ENGINE_KEY_MESSAGE, retry_after=self._settings.retry_after)
             if upstream.status == ENGINE_BUSY:  # vLLM's own queue bound (--max-num-queued-reqs): our envelope
                 self._metrics.admission_refused.labels("all", "engine_queue").inc()
                 raise EngineBusyError(
-                    "The model engine's queue is full; retry shortly.", retry_after=self._settings.relay.retry_after
+                    "The model engine's queue is full; retry shortly.", retry_after=self._settings.retry_after
                 )
             error_body = engine_error_body(upstream.status, answer or b"")
             return BufferedAnswer(upstream.status, error_body, "application/json", headers)
         if answer is not None:
-            return await self._answered(upstream, answer, record, headers, settle)
-
-        async def finished() -> None:
-            await self._finish(record, settle)
-
+            return await self._answered(upstream, answer, record, headers, settlement)
         return SSERelay(
             upstream,
             record,
-            self._settings.relay,
+            self._settings,
             self._metrics,
             strip_usage=strip_usage,
             shape=shape,
             headers=[(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
-            on_finish=finished,
+            settlement=settlement,
             activity=self._activity,
         )
 
@@ -192,7 +245,7 @@ class EngineRelay:
         answer: bytes,
         record: RequestRecord,
         headers: Mapping[str, str],
-        settle: Settle | None,
+        settlement: Settlement,
     ) -> BufferedAnswer:
         self._activity.progress()
         try:
@@ -201,7 +254,7 @@ class EngineRelay:
             parsed = None
         if isinstance(parsed, dict):
             record.take_answer(parsed)
-        await self._finish(record, settle)
+        await settlement.settle()
         return BufferedAnswer(200, answer, upstream.content_type, headers)
 
     async def _open_and_read(
@@ -242,25 +295,7 @@ class EngineRelay:
             record.engine_error = EngineErrorKind.FROZEN
             raise EngineUnavailableError(
                 "The model engine stopped generating; the request was ended. Retry shortly.",
-                retry_after=self._settings.relay.retry_after,
+                retry_after=self._settings.retry_after,
             ) from None
         finally:
             self._activity.end(waiter)
-
-    async def _finish(self, record: RequestRecord, settle: Settle | None) -> None:
-        """Count the engine failure, if any, and settle the token charge (called once per exchange).
-
-        Unknown usage keeps the estimate when the engine may have worked (a timeout after it took the
-        request, a stream cut short, a client gone) and is refunded when it surely did not (a refused
-        connection, an error answer, a failure before the request was sent).
-        """
-        kind = record.engine_error
-        if kind is not None:
-            self._errors[kind].inc()
-        if settle is None:
-            return
-        used = record.total_tokens
-        sent = record.engine_request_id is not None
-        if used is None and (not sent or (kind is not None and not kind.engine_worked)):
-            used = 0
-        await settle(used)

@@ -11,7 +11,7 @@ waiting on a hung engine. Readiness must not flap under load, and must mean "it 
   /health stays 200 while its engine core hangs;
 - never down for a late /health alone: a saturated engine answers /health late while it streams.
 
-Readiness is one fact per gateway (see gateway/relay/shared.py): the verdict lives in the gateway's
+Readiness is one fact per gateway (see gateway/relay/engine_state.py): the verdict lives in the gateway's
 SharedEngineState, and the worker holding the probe turn is the only one that probes /health and sends the
 idle generation probe; the others read the verdict (no I/O) and take the turn over when its holder stops
 renewing it. So every worker answers /ready, and admits or refuses a request, the same way. A worker that
@@ -26,8 +26,9 @@ Each worker also reads, whenever it learns the model and on every tick, the sche
 launched the engine with (`engine.json`: `priority` is sent only to a "priority" engine); the worker holding
 the probe turn hands the engine's /metrics to the load observer (admission) on each tick, so one scrape per
 interval serves the whole gateway.
-Imports settings, errors, metrics, the background-task helper, the supervisor's status record (a leaf) and
-the relay's client, activity, model and shared modules.
+It reads only the relay settings; the supervisor's state directory and the operator's model overrides are handed
+to it. Imports settings, errors, metrics, the background-task helper, the supervisor's status record (a leaf)
+and the relay's client, activity, served-model and engine-state modules.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from gateway.background import BackgroundTask
 from gateway.engine.state import PRIORITY, STATUS_FILE, launched_policy
@@ -45,8 +47,7 @@ from gateway.errors import EngineCredentialsError, EngineRefusedError, EngineUna
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
-from gateway.relay.model import ModelInfo
-from gateway.relay.shared import (
+from gateway.relay.engine_state import (
     HEALTH_STATUS,
     HEALTHY,
     KEY_REFUSED,
@@ -54,7 +55,8 @@ from gateway.relay.shared import (
     REFUSED,
     SharedEngineState,
 )
-from gateway.settings import Settings
+from gateway.relay.served_model import ModelInfo, ModelOverrides
+from gateway.settings import RelaySettings
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +74,19 @@ class EngineMonitor:
     def __init__(
         self,
         client: EngineClient,
-        settings: Settings,
+        relay: RelaySettings,
         metrics: GatewayMetrics,
         activity: EngineActivity,
+        *,
+        state_dir: Path,
+        overrides: ModelOverrides | None = None,
         load_observer: LoadObserver | None = None,
     ) -> None:
+        """`state_dir`: where the engine supervisor writes its status file (the engine's scheduling policy);
+        `overrides`: what the operator set of the served model."""
         self._client = client
-        self._settings = settings
-        self._relay = settings.relay
+        self._overrides = overrides or ModelOverrides()
+        self._relay = relay
         self._metrics = metrics
         self._activity = activity
         self._shared: SharedEngineState = activity.shared
@@ -99,7 +106,7 @@ class EngineMonitor:
         # Whether the engine schedules by priority (its launcher's word; False when unknown: vLLM under FCFS
         # may refuse a non-zero `priority`).
         self.priority_scheduling = False
-        self._status_file = settings.engine.state_dir / STATUS_FILE
+        self._status_file = state_dir / STATUS_FILE
         self._policy_version: tuple[int, int] | None = (-1, -1)  # the status file's (inode, mtime) last read
         self._load_observer = load_observer
         self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self._tick)
@@ -245,7 +252,7 @@ class EngineMonitor:
     async def _learn_model(self) -> int:
         try:
             listing = await self._client.get_json("/v1/models", self._relay.probe_timeout)
-            self.model = ModelInfo.from_listing(listing, self._settings)
+            self.model = ModelInfo.from_listing(listing, self._overrides)
         except EngineCredentialsError as exc:
             logger.error("%s", exc.message)
             return KEY_REFUSED

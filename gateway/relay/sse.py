@@ -7,11 +7,12 @@ recorded as engine progress (one timestamp) for the engine monitor, which can al
 the engine stuck. Speaks raw ASGI; imports no web framework and no HTTP client (the engine's bytes come
 through `UpstreamResponse.read_chunk`, errors already mapped).
 
-Where the server offers a `BodyWriter` in the scope (gateway/server.py does), a plain content chunk is
+Where the server offers a `BodyWriter` in the scope (gateway/uvicorn_internals.py does), a plain content chunk is
 relayed from the engine connection's data callback straight to the client connection, below ASGI's
-per-message path: no task wake-up, no send() through the middleware chain (issue 11: ~20 µs a chunk on
-the per-message path against nginx's ~10). Everything else (the first chunk, a partial line, usage,
-`[DONE]`, a full client buffer, whatever arrives while the relay is busy) takes the per-message path.
+per-message path: no task wake-up, no send() through the middleware chain (~20 µs a chunk on the per-message
+path against nginx's ~10, measured by `python -m loadtest.overhead`). Everything else (the first chunk, a
+partial line, usage, `[DONE]`, a full client buffer, whatever arrives while the relay is busy) takes the
+per-message path. The client's disconnect is watched by `relay/disconnect.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import orjson
 
@@ -29,6 +30,7 @@ from gateway.errors import EngineTimeoutError, EngineUnavailableError, GatewayEr
 from gateway.metrics import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
+from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
 from gateway.relay.shapes import CHAT, WireShape
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
@@ -36,8 +38,7 @@ from gateway.types import Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-__all__ = ["KEEP_ALIVE", "ClientDisconnectedError", "Message", "Receive", "SSERelay", "Send", "run_until_disconnect"]
+__all__ = ["KEEP_ALIVE", "Message", "Receive", "SSERelay", "Send"]
 
 KEEP_ALIVE = b": keep-alive\n\n"
 _DONE_MARK = b"[DONE]"
@@ -52,44 +53,20 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 )
 
 
+class Settles(Protocol):
+    """What the stream settles once it ends, or just before its end goes out (the exchange's `Settlement`)."""
+
+    async def settle(self) -> None:
+        """Release what the request holds; only the first call acts."""
+        ...
+
+
 class BodyWriter(Protocol):
     """Writes one chunk of a started response body straight to the client's connection, synchronously."""
 
     def write(self, body: bytes) -> bool:
         """True when `body` was written; False (nothing written) when the ASGI send must carry it instead."""
         ...
-
-
-class ClientDisconnectedError(Exception):
-    """The client went away before the answer was complete (logged with status 499)."""
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def run_until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
-    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnectedError.
-
-    Cancelling `work` closes its engine connection, so vLLM aborts the generation and frees its KV
-    cache: a non-streamed request must not run on for minutes after its client has gone.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        watcher.cancel()
-        raise
-    watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    raise ClientDisconnectedError
 
 
 def error_event(error: GatewayError) -> bytes:
@@ -175,7 +152,7 @@ class SSERelay:
         strip_usage: bool,
         shape: WireShape = CHAT,
         headers: Iterable[tuple[bytes, bytes]] = (),
-        on_finish: Callable[[], Awaitable[None]] | None = None,
+        settlement: Settles | None = None,
         activity: EngineActivity | None = None,
     ) -> None:
         self._upstream = upstream
@@ -186,7 +163,7 @@ class SSERelay:
         self._shape = shape
         self._headers = [*SSE_HEADERS, *headers]
         self._saw_done = False
-        self._on_finish = on_finish
+        self._settlement = settlement
         self._activity = activity
         self._alarm: _SilenceAlarm | None = None
         self._frozen = False
@@ -347,10 +324,10 @@ class SSERelay:
         )
 
     async def _finish(self) -> None:
-        """Run `on_finish` once (releases the key's concurrency slot and settles its tokens)."""
-        on_finish, self._on_finish = self._on_finish, None
-        if on_finish is not None:
-            await on_finish()
+        """Settle the exchange (releases the key's concurrency slot and reconciles its tokens), once."""
+        settlement, self._settlement = self._settlement, None
+        if settlement is not None:
+            await settlement.settle()
 
     def _take_usage(self, chunk: bytes) -> bytes:
         """Record the usage of every line that carries one; drop usage-only events the client did not ask for."""
@@ -378,7 +355,7 @@ class SSERelay:
         return b"\n".join(kept)
 
     async def _fail(self, send: Send, kind: EngineErrorKind, error: GatewayError) -> None:
-        # Counted by whoever settles the exchange (`on_finish`), from the record: one place for every kind.
+        # Counted by whoever settles the exchange (`settlement`), from the record: one place for every kind.
         self._record.engine_error = kind
         logger.warning("stream %s ended early: %s", self._record.request_id, error.message)
         await send({"type": "http.response.body", "body": self._shape.error_event(error), "more_body": False})

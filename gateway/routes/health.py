@@ -16,7 +16,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway.deps import get_services
-from gateway.relay.shared import SharedEngineState
+from gateway.relay.engine_state import SharedEngineState
 
 router = APIRouter()
 

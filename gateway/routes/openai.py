@@ -18,7 +18,8 @@ from fastapi import APIRouter, Request, Response
 from gateway.auth import ApiKey
 from gateway.deps import get_record, get_services, require_api_key
 from gateway.errors import GatewayError, RequestTooLargeError
-from gateway.ratelimit import Lease, RateLimiter, TokenDetail
+from gateway.ratelimit import RequestLease
+from gateway.relay.exchange import AfterSettle
 from gateway.relay.shapes import WireShape
 from gateway.requestlog import RequestRecord
 from gateway.services import Services
@@ -44,7 +45,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 # A route's own step once the request is prepared and admitted (the stored-response ownership); it returns
 # what runs once the exchange is settled, or None.
-AfterSettle = Callable[[], Awaitable[None]]
 AfterAdmit = Callable[[Request, ApiKey | None, PreparedRequest, RequestRecord], Awaitable[AfterSettle | None]]
 
 
@@ -65,22 +65,21 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
     services = get_services(request)
     record = get_record(request)
     key = await require_api_key(request, services)
-    if key is not None:
+    # Usage by API is kept under the route's API label (chat, responses, ...), so every relayed route counts.
+    lease = RequestLease(services.limiter, key, record.api or api.path) if key is not None else None
+    if lease is not None:
         # A key already refused for requests/min or concurrency is refused again before its body is read:
         # an over-limit client must not make the gateway read and parse megabytes first.
-        services.limiter.precheck(key)
+        lease.precheck()
     body = await _read_body(request, services.settings.max_body_bytes)
     prepared = api.prepare(body, services.settings, await services.monitor.require_ready())
     record.model, record.stream = prepared.model, prepared.stream
     if key is not None:
         services.keys.check_model(key, prepared.model)
     after = await api.after_admit(request, key, prepared, record) if api.after_admit is not None else None
-    lease = None
-    if key is not None:
-        # Usage by API is kept under the route's API label (chat, responses, ...), so every relayed route counts.
-        lease = await services.limiter.acquire(key, prepared.tokens_estimate, record.api or api.path)
-    settle = _settle(services.limiter, lease, record, after) if lease is not None or after is not None else None
-    engine_body = await _admit(services, key, prepared, settle)
+    if lease is not None:
+        await lease.acquire(prepared.tokens_estimate)
+    engine_body = await _admit(services, key, prepared, lease)
     return await services.relay.forward(
         api.path,
         engine_body,
@@ -89,20 +88,18 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         stream=prepared.stream,
         strip_usage=not prepared.client_wants_usage,
         headers=lease.headers if lease is not None else {},
-        settle=settle,
+        lease=lease,
+        after=after,
         shape=api.shape,
         engine_headers={name: value for name in api.passed_headers if (value := request.headers.get(name))},
     )
 
 
 async def _admit(
-    services: Services,
-    key: ApiKey | None,
-    prepared: PreparedRequest,
-    settle: Callable[[int | None], Awaitable[None]] | None,
+    services: Services, key: ApiKey | None, prepared: PreparedRequest, lease: RequestLease | None
 ) -> bytes:
-    """Admit the request at its priority against the engine's queue (settled uncharged when refused); the body for
-    the engine, with vLLM's `priority` only for an engine that schedules by it."""
+    """Admit the request at its priority against the engine's queue (its lease released uncharged when refused); the
+    body for the engine, with vLLM's `priority` only for an engine that schedules by it."""
     priority = effective_priority(
         key.priority if key is not None else None,
         services.settings.limits.default_priority,
@@ -111,28 +108,12 @@ async def _admit(
     try:
         await services.admission.admit(priority)
     except GatewayError:
-        if settle is not None:
-            await settle(0)
+        if lease is not None:
+            await lease.release(0)
         raise
     scheduling = services.monitor.priority_scheduling
     services.admission.count_sent(priority, sent=scheduling)
     return prepared.engine_body(priority if scheduling else None)
-
-
-def _settle(
-    limiter: RateLimiter, lease: Lease | None, record: RequestRecord, after: AfterSettle | None
-) -> Callable[[int | None], Awaitable[None]]:
-    """Release `lease` with the tokens the engine reported on `record` (read when the exchange ends), then run the
-    route's own step after settling."""
-
-    async def settle(used: int | None) -> None:
-        if lease is not None:
-            detail = TokenDetail(record.prompt_tokens, record.completion_tokens, record.reasoning_tokens)
-            await limiter.release(lease, used, detail)
-        if after is not None:
-            await after()
-
-    return settle
 
 
 @router.get("/v1/models")

@@ -101,7 +101,6 @@ async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
         stream=stream,
         strip_usage=False,
         headers={},
-        settle=None,
         shape=RESPONSES,
         method="POST" if cancel else "GET",
     )

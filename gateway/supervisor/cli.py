@@ -27,13 +27,13 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from gateway.doctor import doctor_config, fatal_failures, render_table, run_checks
-from gateway.engine.launch import ENGINE_KEY_VARIABLE, prepare
+from gateway.engine.launch import ENGINE_KEY_VARIABLE, added_variables, prepare
 from gateway.engine.presets import load_presets
 from gateway.engine.profiles import Profile, ProfileError, load_profiles
 from gateway.engine.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import EngineSettings, Settings
-from gateway.supervisor.process import GuardedProcess
+from gateway.supervisor.process import GuardedProcess, process_names
 from gateway.supervisor.supervisor import EngineSupervisor
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ def show_status(engine: EngineSettings, *, as_json: bool) -> int:
             ("model", status.model),
             ("engine", status.engine_url),
             ("engine pid", f"{status.engine_pid or '-'} (vLLM; process group {status.group_pid or '-'})"),
+            ("processes", _processes_text(status.processes)),
+            ("GPUs", _gpus_text(status)),
             ("supervisor pid", f"{status.supervisor_pid} ({'running' if alive else 'not running'})"),
             ("restarts", str(status.restarts)),
             ("last exit code", "-" if status.last_exit_code is None else str(status.last_exit_code)),
@@ -100,6 +102,17 @@ def show_status(engine: EngineSettings, *, as_json: bool) -> int:
         rows += [("restarted", f"{_clock(r.at)} {r.cause.value}: {r.reason}") for r in reversed(status.history)]
         sys.stdout.write("".join(f"{name:<15} {value}\n" for name, value in rows))
     return 0 if status.state == EngineState.READY and alive else 1
+
+
+def _processes_text(pids: list[int]) -> str:
+    """The engine's processes with the names vLLM gives them (`VLLM::Worker_TP1`), those still alive."""
+    names = process_names(pids)
+    return ", ".join(f"{pid} {names[pid]}" for pid in pids if pid in names) or "-"
+
+
+def _gpus_text(status: EngineStatus) -> str:
+    parallel = f"tensor parallel {status.tensor_parallel_size}, data parallel {status.data_parallel_size}"
+    return f"{status.gpus or 'all visible'} ({parallel})"
 
 
 def _clock(at: float) -> str:
@@ -145,7 +158,7 @@ def print_argv(settings: Settings) -> int:
     except ProfileError as exc:
         sys.stderr.write(f"nemotron-gateway engine: {exc}\n")
         return 2
-    added = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    added = added_variables(env)
     if ENGINE_KEY_VARIABLE in added:
         added[ENGINE_KEY_VARIABLE] = "<NEMOTRON_ENGINE_API_KEY>"  # a secret: named, never printed
     sys.stdout.write(shlex.join(argv) + "\n")

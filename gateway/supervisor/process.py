@@ -146,6 +146,60 @@ def terminate_group(pgid: int, grace: float, *, exclude: int | None = None, seen
     return len(members)
 
 
+def process_names(pids: Sequence[int]) -> dict[int, str]:
+    """pid -> command name (vLLM names its processes, e.g. `VLLM::EngineCore`, `VLLM::Worker_TP1`)."""
+    names: dict[int, str] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+    return names
+
+
+class MemberWatch:
+    """The processes of an engine, each watched through a pidfd: `first_exit()` returns when one of them ends.
+
+    For an engine of several processes (vLLM's EngineCore, a worker per GPU of tensor parallel, one engine per
+    data-parallel rank): one of them killed (the OOM killer, a GPU fault, kill -9) can leave the API server up
+    with peers blocked in a collective, so the whole engine is restarted. A pidfd works for processes that are not
+    our children; the event loop waits on it, so watching costs nothing while they run.
+    """
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.names = process_names(pids)
+        self._fds: dict[int, int] = {}
+        for pid in self.names:
+            with contextlib.suppress(OSError):  # already gone: the next snapshot has no such member
+                self._fds[pid] = os.pidfd_open(pid)
+
+    @property
+    def pids(self) -> list[int]:
+        """The watched processes."""
+        return sorted(self._fds)
+
+    async def first_exit(self) -> int:
+        """The pid of the first watched process that ends (waits forever when none is watched)."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[int] = loop.create_future()
+
+        def on_exit(pid: int) -> None:
+            if not ended.done():
+                ended.set_result(pid)
+
+        for pid, fd in self._fds.items():
+            loop.add_reader(fd, on_exit, pid)
+        try:
+            return await ended
+        finally:
+            for fd in self._fds.values():
+                loop.remove_reader(fd)
+
+    def close(self) -> None:
+        """Release the pidfds."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
 class GuardedProcess:
     """Runs `argv` under the reaper; its output lines go to `on_line` and a ring buffer."""
 
@@ -230,6 +284,12 @@ class GuardedProcess:
             logger.warning("process group %d was killed; removed %d /dev/shm file(s) it held", self._proc.pid, removed)
             self._shm_seen = set()
         return code
+
+    def members(self) -> list[int]:
+        """The command and every process it started that is still in its group (the reaper left out)."""
+        if self._proc is None or self._proc.returncode is not None:
+            return []
+        return group_members(self._proc.pid, exclude=self._proc.pid)
 
     def sample_shared_memory(self) -> None:
         """Remember the /dev/shm files the group holds now, for when the whole group, reaper included, dies."""

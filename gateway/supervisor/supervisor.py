@@ -18,25 +18,30 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import httpx
 
+from gateway.doctor.check import gib
+from gateway.doctor.nvml import GpuReadings, read_gpus
 from gateway.engine.launch import ENGINE_KEY_VARIABLE
 from gateway.engine.state import (
+    DATA_PARALLEL_FLAG,
     STATUS_FILE,
+    TENSOR_PARALLEL_FLAG,
     EngineState,
     EngineStatus,
     RestartCause,
     RestartRecord,
+    parallel_size,
     scheduling_policy,
     sequence_slots,
 )
 from gateway.metrics import SupervisorMetrics
 from gateway.settings import EngineSettings
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
-from gateway.supervisor.process import GuardedProcess
+from gateway.supervisor.process import GuardedProcess, MemberWatch, process_names
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,36 @@ _EXIT_GRACE = 1.0
 # it starts (sampled on every start-up poll and when ready) and keeps them. A sample reads all of /proc and the
 # engine's memory maps: a few ms that every liveness check (5 s) used to pay on an idle engine.
 _SHM_SAMPLE_EVERY = 30.0
+# Seconds the driver gets to free the GPU memory of an engine whose processes are all gone (a process the kernel
+# still holds, stuck in the driver, keeps its memory until it is reaped).
+_GPU_RELEASE = 10.0
+_GPU_RELEASE_POLL = 0.5
+
+
+def held_gpu_memory(readings: GpuReadings, pids: Collection[int]) -> list[str]:
+    """Where NVML still lists one of `pids` (an engine that is gone) on a GPU: `GPU 1: pid 42 (20.0 GiB)`."""
+    return [
+        f"GPU {device.index}: pid {p.pid} ({gib(p.used) if p.used is not None else 'size unknown'})"
+        for device in readings.devices
+        for p in device.processes
+        if p.pid in pids
+    ]
+
+
+async def wait_gpu_memory_released(
+    pids: Collection[int], read: Callable[[], GpuReadings] = read_gpus, within: float = _GPU_RELEASE
+) -> list[str]:
+    """Wait until no GPU lists any of `pids` (the engine's processes, all ended); what is still held after
+    `within` s, logged as an error (the next start would find that memory taken). NVML is read off the loop."""
+    deadline = time.monotonic() + within
+    while True:
+        held = held_gpu_memory(await asyncio.to_thread(read), pids) if pids else []
+        if not held or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(_GPU_RELEASE_POLL)
+    if held:
+        logger.error("GPU memory still held %.0f s after the engine's processes ended: %s", within, "; ".join(held))
+    return held
 
 
 class EngineSupervisor:
@@ -70,6 +105,9 @@ class EngineSupervisor:
         self.status = status
         self.status.scheduling_policy = scheduling_policy(argv)
         self.status.sequence_slots = sequence_slots(argv)
+        self.status.gpus = env.get("CUDA_VISIBLE_DEVICES")
+        self.status.tensor_parallel_size = parallel_size(argv, TENSOR_PARALLEL_FLAG)
+        self.status.data_parallel_size = parallel_size(argv, DATA_PARALLEL_FLAG)
         self.metrics = metrics
         self._echo = on_line or _echo
         self.should_exit = asyncio.Event()
@@ -185,24 +223,41 @@ class EngineSupervisor:
         stop: asyncio.Future[Any] = asyncio.ensure_future(self.should_exit.wait())
         check: asyncio.Future[Any] | None = None
         self.process.sample_shared_memory()
+        members = self._watch_members()
+        lost: asyncio.Future[int] = asyncio.ensure_future(members.first_exit())
         sample_at = time.monotonic() + _SHM_SAMPLE_EVERY
         try:
             while True:
                 done, _ = await asyncio.wait(
-                    (exited, stop), timeout=self.settings.health_interval, return_when=asyncio.FIRST_COMPLETED
+                    (exited, stop, lost), timeout=self.settings.health_interval, return_when=asyncio.FIRST_COMPLETED
                 )
                 if not done and time.monotonic() >= sample_at:
                     self.process.sample_shared_memory()
                     sample_at = time.monotonic() + _SHM_SAMPLE_EVERY
+                    if set(self._member_pids()) != set(members.pids):
+                        lost.cancel()
+                        members.close()
+                        members = self._watch_members()
+                        lost = asyncio.ensure_future(members.first_exit())
                 # The check races the exit and the stop: a probe waiting on a frozen engine must not delay either.
                 check = asyncio.ensure_future(liveness.check()) if not done else None
                 if check is not None:
-                    done, _ = await asyncio.wait((exited, stop, check), return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait((exited, stop, check, lost), return_when=asyncio.FIRST_COMPLETED)
                 if stop in done:
                     return None
-                if exited in done:
+                if lost in done and not exited.done():
+                    # vLLM itself ended (its reaper reports the code once the rest of the group is down, within the
+                    # grace), or it may notice a lost helper and exit by itself: either way its exit code says more.
+                    vllm = lost.result() == self.process.command_pid
+                    await asyncio.wait((exited,), timeout=_EXIT_GRACE + (self.settings.stop_grace if vllm else 0))
+                if exited.done():
                     # Any exit we did not ask for is a crash: vLLM exits 0 when its engine core dies.
                     return self._ended(RestartCause.CRASH, "exited")
+                if lost in done:
+                    pid = lost.result()
+                    await self.process.kill()
+                    what = f"engine process {pid} ({members.names.get(pid, '?')}) exited; restarting the whole engine"
+                    return self._ended(RestartCause.CRASH, what)
                 assert check is not None
                 verdict: Verdict = check.result()
                 if verdict.problem is None:
@@ -222,9 +277,28 @@ class EngineSupervisor:
                 if verdict.failed or liveness.stalled_for > self.settings.stall_timeout / 2:
                     self._set_state(EngineState.UNHEALTHY, verdict.problem)
         finally:
-            for future in (stop, exited, check):
+            for future in (stop, exited, check, lost):
                 if future is not None and not future.done():
                     future.cancel()
+            members.close()
+
+    def _member_pids(self) -> list[int]:
+        """vLLM and every process it started (its reaper left out)."""
+        return self.process.members() if self.process is not None else []
+
+    def _watch_members(self) -> MemberWatch:
+        """A watch on the engine's processes now (vLLM's API server and the processes vLLM names as its own:
+        EngineCore, a worker per GPU, API servers, the data-parallel coordinator); `engine status` shows them.
+
+        Other members come and go in normal work (a compiler Triton runs for a new kernel, a short-lived
+        multiprocessing helper): their exit is no fault, so they are not watched."""
+        prefix = self.env.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::"
+        command = self.process.command_pid if self.process is not None else None
+        names = process_names(self._member_pids())
+        watch = MemberWatch([pid for pid, name in names.items() if pid == command or name.startswith(prefix)])
+        self.status.processes = watch.pids
+        self.status.write(self.settings.state_dir / STATUS_FILE)
+        return watch
 
     async def _probe(self, client: httpx.AsyncClient) -> str | None:
         try:
@@ -270,13 +344,14 @@ class EngineSupervisor:
         return True
 
     async def _stop(self) -> None:
-        if self.process is None or self.process.returncode is not None:
-            return
-        self._set_state(EngineState.STOPPING)
-        if self.force_exit:
-            await self.process.kill()
-        code = await self.process.stop()
-        self.status.last_exit_code = code
+        """Stop the engine's group (if it still runs) and see every GPU's memory of it freed."""
+        ended, self.status.processes = self.status.processes, []
+        if self.process is not None and self.process.returncode is None:
+            self._set_state(EngineState.STOPPING)
+            if self.force_exit:
+                await self.process.kill()
+            self.status.last_exit_code = await self.process.stop()
+        await wait_gpu_memory_released(ended)
 
 
 def _echo(line: str) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-from tests.procs import ServerProcess
+from tests.procs import REPO_ROOT, ServerProcess
 
 FAKE_LAUNCHER = [sys.executable, "-m", "tests.fakes.fake_engine", "serve"]
 
@@ -30,6 +31,20 @@ def engine_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:
         "NEMOTRON_ENGINE__RUN_DOCTOR": "false",
         **extra,
     }
+
+
+def engine_status_text(state_dir: Path) -> str:
+    """What `nemotron-gateway engine status` prints for the supervisor of `state_dir`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "engine", "status"],
+        env={**os.environ, "NEMOTRON_ENGINE__STATE_DIR": str(state_dir)},
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+    return result.stdout
 
 
 def up_process(env: dict[str, str], gateway_port: int) -> ServerProcess:

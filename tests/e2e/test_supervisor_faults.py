@@ -12,8 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -21,8 +19,8 @@ import httpx
 import pytest
 
 from gateway.supervisor.process import held_inodes
-from tests.e2e.supervised import fake_shm_files, group_alive, start_supervisor, status
-from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
+from tests.e2e.supervised import engine_status_text, fake_shm_files, group_alive, start_supervisor, status
+from tests.procs import ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,19 +28,6 @@ STALL = 2.0
 INTERVAL = 0.3
 # The documented bound (stall_timeout + health_interval) plus room for a loaded 2-core machine.
 RESTART_DEADLINE = STALL + INTERVAL + 20
-
-
-def engine_status_text(state_dir: Path) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "gateway", "engine", "status"],
-        env={**os.environ, "NEMOTRON_ENGINE__STATE_DIR": str(state_dir)},
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=60,
-        check=False,
-    )
-    return result.stdout
 
 
 def stream_in_background(port: int, tokens: int, token_delay: float) -> tuple[threading.Thread, list[int]]:

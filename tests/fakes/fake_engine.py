@@ -797,7 +797,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument("--startup-delay", type=float, default=0.0, help="seconds before binding (model load)")
     parser.add_argument("--ignore-sigterm", action="store_true")
-    parser.add_argument("--spawn-child", action="store_true", help="fork a helper holding /dev/shm, like EngineCore")
+    parser.add_argument(
+        "--spawn-child",
+        action="count",
+        default=0,
+        help="fork a helper holding /dev/shm, like EngineCore (given N times: N helpers, like a worker per GPU)",
+    )
     parser.add_argument(
         "--leak-semaphore",
         metavar="PATH",
@@ -823,6 +828,8 @@ def _spawn_child() -> None:
     code = (
         "import os, signal, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        # vLLM names its processes (setproctitle): the supervisor watches those, not every short-lived helper.
+        "open('/proc/self/comm', 'w').write('VLLM::Worker')\n"
         "f = open(f'/dev/shm/fake-engine-{os.getpid()}', 'w')\n"
         "time.sleep(3600)\n"
     )
@@ -849,7 +856,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper())
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if args.spawn_child:
+    for _ in range(args.spawn_child):
         _spawn_child()
     if args.leak_semaphore:
         _leak_semaphore(args.leak_semaphore)

@@ -1,4 +1,4 @@
-"""Replacing a gateway process without losing a request (issue 10), on this machine without systemd.
+"""Replacing a gateway process without losing a request, on this machine without systemd.
 
 The test plays systemd's part in socket activation: it holds the listening socket and hands it to each
 gateway process as fd 3 with LISTEN_FDS/LISTEN_PID, starting the new process once the old one has exited,

@@ -1,5 +1,5 @@
 """`nemotron-gateway serve --workers 2`: one port, two processes, limits exact across them, a killed worker
-replaced, both drained on SIGTERM (issue 11).
+replaced, both drained on SIGTERM.
 
 Which worker answers is the kernel's choice; the tests make it theirs by stopping the other one (SIGSTOP):
 a stopped process accepts nothing, so the next connection goes to the one left running.

@@ -1,4 +1,4 @@
-"""Several gateway workers on one port: any worker's /metrics counts the requests of all of them (issue 9).
+"""Several gateway workers on one port: any worker's /metrics counts the requests of all of them.
 
 Which worker answers is made the test's choice as in test_workers.py: the other one is stopped (SIGSTOP), and a
 stopped process accepts nothing.

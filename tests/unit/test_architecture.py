@@ -1,7 +1,7 @@
 """The package's dependency rules, checked on the source (an AST scan, nothing imported).
 
-The engine side has floors, bottom first: the leaves (settings, errors, metrics, the request log), the
-engine package (what we know about the engine: profiles, presets, flags, argv and environment, status
+The engine side has floors, bottom first: the leaves (settings, errors, metrics, the request log, the shared
+types), the engine package (what we know about the engine: profiles, presets, flags, argv and environment, status
 file), its users (the supervisor that runs vLLM, the doctor, the relay, the reasoning switch), and the
 command line on top. An import runs down or sideways, never up. A failure lists every offending
 `file:line`, so the fix is in the code, not in this test.
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gateway"
 
-LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/requestlog.py")
+LEAVES = ("gateway/settings.py", "gateway/errors.py", "gateway/metrics.py", "gateway/requestlog.py", "gateway/types.py")
 OPTIONAL_LEAVES = ("gateway/engine/state.py",)
 SERVICES = (
     "gateway/auth/",
@@ -167,6 +167,9 @@ def test_the_scan_sees_the_package() -> None:
     assert ("gateway/app.py", "gateway.routes.openai") in edges
     assert ("gateway/relay/sse.py", "gateway.relay.client") in edges
     assert ("gateway/server.py", "gateway.app") in edges
+    assert ("gateway/server.py", "gateway.uvicorn_internals") in edges
+    assert ("gateway/uvicorn_internals.py", "gateway.client_limits") in edges
+    assert ("gateway/relay/client.py", "gateway.relay.aiohttp_internals") in edges
 
 
 def test_leaves_import_no_other_gateway_module() -> None:
@@ -237,6 +240,8 @@ def test_the_floors_name_real_files_and_known_edges_run_down() -> None:
             assert (ROOT / place).exists(), place
     assert _floor("gateway/engine/launch.py") == 1 and _floor("gateway/supervisor/supervisor.py") == 2
     assert _floor("gateway/supervisor/__main__.py") == 3 and _floor("gateway/routes/openai.py") is None
+    assert _floor("gateway/types.py") == 0 and _floor("gateway/relay/aiohttp_internals.py") == 2
+    assert _floor("gateway/relay/disconnect.py") == 2 and _floor("gateway/relay/engine_state.py") == 2
     edges = {(i.file, i.module) for i in _all_imports()}
     assert ("gateway/supervisor/supervisor.py", "gateway.engine.launch") in edges
     assert ("gateway/doctor/runner.py", "gateway.engine.profiles") in edges
@@ -301,6 +306,32 @@ def test_only_the_app_imports_routes() -> None:
         if i.file != "gateway/app.py"
         and not _in(i.file, ("gateway/routes/",))  # the package's own modules
         and _is_within(i.module, ("gateway.routes",))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_only_the_uvicorn_internals_module_imports_uvicorns_protocols_or_server() -> None:
+    """What relies on uvicorn's internals lives in one module, whose declaration tests/unit/test_library_internals.py
+    checks against the installed uvicorn."""
+    internal = ("uvicorn.protocols", "uvicorn.server", "uvicorn.Server", "uvicorn.Config")
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if i.file != "gateway/uvicorn_internals.py" and (_is_within(i.module, internal) or i.module == "uvicorn")
+    ]
+    assert not violations, _report(violations)
+
+
+def test_only_the_aiohttp_internals_module_names_aiohttps_stream_reader() -> None:
+    """aiohttp's StreamReader is used beyond its documented API (a subclass put on a live reader) in one module."""
+    violations = [
+        f"{_rel(path)}:{node.lineno}: names StreamReader"
+        for path in _source_files()
+        if _rel(path) != "gateway/relay/aiohttp_internals.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Attribute) and node.attr == "StreamReader")
+        or (isinstance(node, ast.Name) and node.id == "StreamReader")
+        or (isinstance(node, ast.alias) and node.name.endswith("StreamReader"))
     ]
     assert not violations, _report(violations)
 

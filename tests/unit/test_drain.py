@@ -1,4 +1,5 @@
-"""A stopping gateway drains: the stop signal marks the app draining and /ready answers 503 from then on (issue 10).
+"""A stopping gateway drains: the stop signal marks the app draining and /ready answers 503 from then on, so a
+load balancer stops sending to it before it goes.
 
 The route is called with a real app's state and stand-in services (an engine known ready, Redis answering),
 so the only thing that can make it answer 503 is the drain.
@@ -19,9 +20,10 @@ from fastapi import FastAPI
 from starlette.requests import Request
 
 from gateway.app import create_app
+from gateway.client_limits import ClientLimits
 from gateway.routes.health import ready
-from gateway.server import ClientLimits, DrainingServer, ServerConfig
 from gateway.settings import Settings
+from gateway.uvicorn_internals import DrainingServer, ServerConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -49,7 +49,8 @@ class Rig:
     settled: list[int | None] = field(default_factory=list)
     seen_ids: list[str] = field(default_factory=list)
 
-    async def settle(self, used: int | None) -> None:
+    async def release(self, used: int | None, record: RequestRecord | None = None) -> None:
+        """The rate-limit lease's release, as the exchange calls it: the tokens it settles with are recorded."""
         self.settled.append(used)
 
     async def forward(self, *, stream: bool = False, request_id: str = "client-id") -> Any:
@@ -63,7 +64,7 @@ class Rig:
             stream=stream,
             strip_usage=True,
             headers={"x-ratelimit-limit-requests": "10"},
-            settle=self.settle,
+            lease=self,
         )
 
     def errors(self) -> dict[str, float]:
@@ -103,8 +104,8 @@ async def make_rig() -> AsyncIterator[Callable[..., Any]]:
         await client.start()
         cleanups.append(client.stop)
         activity = EngineActivity()
-        monitor = EngineMonitor(client, settings, metrics, activity)
-        rig = Rig(EngineRelay(client, monitor, activity, settings, metrics), monitor, activity, metrics)
+        monitor = EngineMonitor(client, settings.relay, metrics, activity, state_dir=settings.engine.state_dir)
+        rig = Rig(EngineRelay(client, monitor, activity, settings.relay, metrics), monitor, activity, metrics)
         rig.seen_ids = seen
         return rig
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,6 +18,7 @@ from prometheus_client.registry import Collector
 from pydantic import SecretStr
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.doctor import nvml
 from gateway.doctor.nvml import ActivityReader
 from gateway.engine.state import EngineState, EngineStatus, RestartCause, RestartRecord
 from gateway.errors import KeyStoreUnavailableError, MetricsForbiddenError
@@ -25,8 +28,9 @@ from gateway.middleware import RequestContextMiddleware
 from gateway.ratelimit.redis import _exhausted
 from gateway.redis_client import RedisCalls
 from gateway.requestlog import EngineErrorKind, RequestRecord
-from gateway.settings import HttpSettings, MetricsSettings, RedisSettings, Settings
+from gateway.settings import HttpSettings, MetricsSettings, RedisSettings
 from gateway.types import Message, Send
+from tests.unit.doctor.test_gpu import FakeNvml
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -97,6 +101,53 @@ def test_activity_reader_reads_nothing_without_a_gpu() -> None:
     reader = ActivityReader()
     assert reader.read() == () and reader.read() == ()  # no error, no series, every time
     reader.close()
+
+
+class _ActivityNvml(FakeNvml):
+    """Two H200s answering the activity calls as NVML does (percent, milliwatts, KB/s)."""
+
+    NVML_TEMPERATURE_GPU, NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 0, 1
+
+    def __init__(self) -> None:
+        super().__init__(count=2)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        return argparse.Namespace(used=(handle + 1) * 10 * 2**30, total=141 * 2**30, free=0)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return argparse.Namespace(gpu=50 + handle)
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+        return 40
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        return 300_000
+
+    def nvmlDeviceGetPcieThroughput(self, handle: int, counter: int) -> int:
+        return 4
+
+
+def _gpu_scrape(gpus: str | None, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """The memory-used series of one scrape through the NVML reader, by their `gpu` label."""
+    monkeypatch.setattr(nvml, "pynvml", _ActivityNvml())
+    metrics = GatewayMetrics()
+    reader = ActivityReader(gpus)
+    metrics.registry.register(GpuCollector(reader.read))
+    family = next(f for f in metrics.registry.collect() if f.name == "nemotron_gateway_gpu_memory_used_bytes")
+    reader.close()
+    return {s.labels["gpu"]: s.value for s in family.samples}
+
+
+def test_every_gpus_activity_is_scraped_with_its_gpu_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _gpu_scrape(None, monkeypatch) == {"0": 10 * 2**30, "1": 20 * 2**30}
+
+
+@pytest.mark.parametrize("gpus", ["1", "GPU-1f1a"])
+def test_only_the_engines_gpus_are_scraped_when_the_operator_names_them(
+    gpus: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NEMOTRON_ENGINE__GPUS bounds the `gpu` label to the engine's GPUs (by index or UUID prefix, as CUDA reads it).
+    assert _gpu_scrape(gpus, monkeypatch) == {"1": 20 * 2**30}
 
 
 @dataclass
@@ -259,7 +310,7 @@ def test_workers_collector_drops_forgotten_keys_and_labels_process_figures_by_pi
 
 async def test_redis_calls_are_timed_and_failures_counted() -> None:
     metrics = GatewayMetrics()
-    calls = RedisCalls(Settings(redis=RedisSettings(command_timeout=1.0)), metrics)
+    calls = RedisCalls(RedisSettings(command_timeout=1.0), metrics)
 
     async def answers() -> str:
         return "ok"

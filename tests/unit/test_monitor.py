@@ -18,8 +18,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay import monitor as monitor_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
+from gateway.relay.engine_state import SharedEngineState
 from gateway.relay.monitor import NOT_GENERATING, EngineMonitor
-from gateway.relay.shared import SharedEngineState
 from gateway.settings import Settings
 from tests.procs import async_wait_until, free_port
 
@@ -96,7 +96,7 @@ async def _monitoring(url: str, activity: EngineActivity, probe_interval: float)
     settings = Settings(engine_url=url, relay={**relay, "stall_timeout": 1.0})
     client = EngineClient(settings)
     await client.start()
-    monitor = EngineMonitor(client, settings, GatewayMetrics(), activity)
+    monitor = EngineMonitor(client, settings.relay, GatewayMetrics(), activity, state_dir=settings.engine.state_dir)
     await monitor.start()
     try:
         yield monitor
@@ -282,7 +282,7 @@ async def test_the_policy_is_read_again_only_when_the_supervisor_rewrote_its_sta
     EngineStatus(scheduling_policy="fcfs").write(tmp_path / STATUS_FILE)
     client = EngineClient(settings)
     await client.start()
-    monitor = EngineMonitor(client, settings, GatewayMetrics(), EngineActivity())
+    monitor = EngineMonitor(client, settings.relay, GatewayMetrics(), EngineActivity(), state_dir=tmp_path)
     await monitor.start()
     try:
         await asyncio.sleep(0.5)  # ten ticks

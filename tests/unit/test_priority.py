@@ -11,7 +11,7 @@ import pytest
 from gateway.engine.state import EngineStatus, launched_policy, launched_sequence_slots, sequence_slots
 from gateway.errors import InvalidRequestError
 from gateway.ratelimit.admission import parse_load, retry_after, tier_bounds
-from gateway.relay.model import ModelInfo
+from gateway.relay.served_model import ModelInfo
 from gateway.settings import AdmissionSettings, Settings
 from gateway.validation import effective_priority, prepare_chat
 

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from gateway.errors import InvalidRequestError
-from gateway.relay.model import ModelInfo
+from gateway.relay.served_model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, Settings
 from gateway.validation import prepare_chat
 

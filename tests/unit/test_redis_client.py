@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(10)
 
 
 def _calls(timeout: float = 1.0) -> RedisCalls:
-    return RedisCalls(Settings(redis=RedisSettings(command_timeout=timeout)))
+    return RedisCalls(RedisSettings(command_timeout=timeout))
 
 
 def _work(*outcomes: BaseException | str) -> tuple[Callable[[], Awaitable[str]], list[int]]:

@@ -1,4 +1,4 @@
-"""SSERelay and run_until_disconnect driven as raw ASGI against a fake engine response (no sockets)."""
+"""SSERelay driven as raw ASGI against a fake engine response (no sockets)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gateway.relay import sse as sse_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.shapes import CHAT, MESSAGES, RESPONSES, WireShape
-from gateway.relay.sse import KEEP_ALIVE, ClientDisconnectedError, SSERelay, run_until_disconnect
+from gateway.relay.sse import KEEP_ALIVE, SSERelay
 from gateway.requestlog import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
 from gateway.types import Message
@@ -345,80 +345,6 @@ async def test_client_disconnect_closes_upstream_and_is_recorded() -> None:
     assert h.sample("nemotron_gateway_client_disconnects_total", {"mode": "stream"}) == 1.0
     # Nothing is written to a client that has gone.
     assert [m["body"] for m in h.client.bodies] == [delta("a")]
-
-
-async def test_run_until_disconnect_returns_the_work_result() -> None:
-    client = Client()
-
-    async def work() -> str:
-        await asyncio.sleep(0)
-        return "answer"
-
-    assert await run_until_disconnect(client.receive, work()) == "answer"
-
-
-async def test_run_until_disconnect_propagates_the_work_error() -> None:
-    client = Client()
-
-    async def work() -> None:
-        raise ValueError("boom")
-
-    with pytest.raises(ValueError, match="boom"):
-        await run_until_disconnect(client.receive, work())
-
-
-async def test_run_until_disconnect_cancels_work_when_the_client_leaves() -> None:
-    client = Client()
-    cancelled = asyncio.Event()
-
-    async def work() -> str:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return "too late"
-
-    asyncio.get_running_loop().call_later(0.01, client.disconnect.set)
-    with pytest.raises(ClientDisconnectedError):
-        await run_until_disconnect(client.receive, work())
-    assert cancelled.is_set()
-
-
-async def test_run_until_disconnect_ignores_other_messages_until_disconnect() -> None:
-    queue: asyncio.Queue[Message] = asyncio.Queue()
-    queue.put_nowait({"type": "http.request", "body": b"", "more_body": False})
-    done = asyncio.Event()
-
-    async def work() -> int:
-        await done.wait()
-        return 7
-
-    task = asyncio.create_task(run_until_disconnect(queue.get, work()))
-    await asyncio.sleep(0.01)
-    assert not task.done()
-    done.set()
-    assert await task == 7
-
-
-async def test_run_until_disconnect_propagates_outer_cancellation_and_cancels_work() -> None:
-    client = Client()
-    started, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def work() -> None:
-        started.set()
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    outer = asyncio.create_task(run_until_disconnect(client.receive, work()))
-    await started.wait()
-    outer.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await outer
-    await asyncio.wait_for(cancelled.wait(), 1.0)
 
 
 def test_the_stream_relay_reads_through_the_client_and_never_imports_aiohttp() -> None:

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from gateway.bounds import count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.relay.model import ModelInfo
+from gateway.relay.served_model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, EngineSettings, Settings
-from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion
+from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion, prepare_messages
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -253,6 +253,39 @@ def test_max_tokens_equal_to_context_length_is_accepted() -> None:
 def test_unknown_context_length_does_not_bound_max_tokens() -> None:
     prepared = prepare_chat(chat_body(max_tokens=1_000_000), SETTINGS, ModelInfo(MODEL, None))
     assert prepared.max_tokens == 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("fields", "sent"),
+    [
+        ({"max_tokens": 64, "thinking_token_budget": 1000}, 64),  # above the request's own max tokens: cut to them
+        ({"thinking_token_budget": 2**40}, 4096),  # no max tokens: the context length bounds it
+        ({"max_tokens": 64, "thinking_token_budget": 32}, 32),  # within: as sent
+        ({"max_tokens": 64, "thinking_token_budget": -1}, -1),  # vLLM's "no budget"
+    ],
+)
+def test_a_thinking_budget_above_the_max_tokens_is_clamped(fields: dict[str, Any], sent: int) -> None:
+    assert chat(chat_body(**fields))[1]["thinking_token_budget"] == sent
+    assert completion(completion_body(**fields))[1]["thinking_token_budget"] == sent
+
+
+def test_the_chat_budget_the_engine_uses_bounds_the_thinking_budget() -> None:
+    body = chat_body(max_completion_tokens=64, max_tokens=4000, thinking_token_budget=1000)
+    assert chat(body)[1]["thinking_token_budget"] == 64  # vLLM prefers max_completion_tokens
+
+
+def test_an_anthropic_thinking_budget_above_max_tokens_is_clamped() -> None:
+    body = orjson.dumps(
+        {"model": MODEL, "messages": [USER], "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 5000}}
+    )
+    sent = orjson.loads(prepare_messages(body, SETTINGS, INFO).body)
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 64}
+
+
+@pytest.mark.parametrize("budget", [-2, 1.5, "100", True])
+def test_a_thinking_budget_that_is_not_a_whole_number_from_minus_one(budget: Any) -> None:
+    error = rejected(chat_body(thinking_token_budget=budget))
+    assert error.param == "thinking_token_budget"
 
 
 def test_n_above_the_gateway_limit() -> None:

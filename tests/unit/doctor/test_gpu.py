@@ -25,7 +25,7 @@ from gateway.doctor.gpu import (
     check_pcie,
     read_torch_build,
 )
-from gateway.doctor.nvml import GpuProcess, GpuReadings, PcieLink
+from gateway.doctor.nvml import GpuLink, GpuProcess, GpuReadings, PcieLink
 from gateway.doctor.runner import run_checks
 from gateway.engine.state import EngineState, EngineStatus
 from tests.unit.doctor.samples import GiB, by_name, doctor_config_for, h200
@@ -227,6 +227,15 @@ class FakeNvml:
         # GPU 0: vLLM's 120 GiB; GPU 1: a process whose usage the (virtualised) driver does not report.
         return [argparse.Namespace(pid=4242 + handle, usedGpuMemory=120 * GiB if handle == 0 else None)]
 
+    def nvmlDeviceGetMinorNumber(self, handle: int) -> int:
+        return handle
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, first: int, second: int) -> int:
+        raise self.NVMLError("Not Supported")
+
+    def nvmlDeviceGetP2PStatus(self, first: int, second: int, index: int) -> int:
+        raise self.NVMLError("Not Supported")
+
     def _unsupported(self, handle: int) -> int:
         raise self.NVMLError("Not Supported")
 
@@ -255,6 +264,7 @@ def test_read_gpus_through_nvml_with_the_pcie_link_from_sysfs(tmp_path: Path, mo
     assert readings.devices[0].pcie == PcieLink(4, 8, 5, 16)
     assert readings.devices[0].compute_capability == (9, 0) and fake.shut_down
     assert [d.processes for d in readings.devices] == [(GpuProcess(4242, 120 * GiB),), (GpuProcess(4243, None),)]
+    assert readings.links == (GpuLink(0, 1, nvlink=False, peer_access=False, topology=None),)  # NVML said nothing
 
 
 def test_read_gpus_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,54 @@
+"""RequestLease: one request's hold on its API key's rate limits, from the early refusal to the one release.
+
+The route makes one for each request of a key and calls `precheck` before it reads the body (a key this process
+has just refused is refused again at no cost), then `acquire` once the request is prepared (the limiter charges
+the estimate and takes a concurrency slot in one Redis round trip); the exchange with the engine calls `release`
+when it ends, on every path, with the tokens the engine reported. What makes this exact across processes,
+idempotent per lease across a Redis restart, and safe when Redis fails (admitted without limits when
+`limits.fail_open`, refused otherwise; an admission or release Redis did not confirm is released in the
+background) is the limiter's (`ratelimit/redis.py`): the lease is the one object a request carries instead of
+three calls to the limiter. Imports the limiter's protocol and the request record.
+"""
+
+from __future__ import annotations
+
+from gateway.ratelimit.limiter import Lease, LimitedKey, RateLimiter, TokenDetail
+from gateway.requestlog import RequestRecord
+
+
+class RequestLease:
+    """One request's lease on its key's limits: `precheck`, then `acquire`, then `release` (once; safe to repeat)."""
+
+    __slots__ = ("_api", "_held", "_key", "_limiter")
+
+    def __init__(self, limiter: RateLimiter, key: LimitedKey, api: str) -> None:
+        self._limiter = limiter
+        self._key = key
+        self._api = api  # the route's API label (chat, responses, ...), for usage by API
+        self._held: Lease | None = None
+
+    def precheck(self) -> None:
+        """RateLimitError if the key is known to be over its requests/min or concurrency right now (no Redis call,
+        nothing consumed): a cheap refusal before the request body is read."""
+        self._limiter.precheck(self._key)
+
+    async def acquire(self, estimated_tokens: int) -> None:
+        """Admit the request, charging `estimated_tokens` up front; RateLimitError (or QuotaExceededError for a spent
+        token budget) when a limit refuses it."""
+        self._held = await self._limiter.acquire(self._key, estimated_tokens, self._api)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The key's `x-ratelimit-*` and `x-budget-*` headers for the answer (none before `acquire`)."""
+        return self._held.headers if self._held is not None else {}
+
+    async def release(self, used_tokens: int | None, record: RequestRecord | None = None) -> None:
+        """Reconcile the charge with `used_tokens` (None keeps the estimate, 0 refunds it), free the slot and record
+        the usage, by API, with the token detail the engine reported on `record`. Nothing before `acquire`;
+        idempotent; never raises for Redis."""
+        if self._held is None:
+            return
+        detail = None
+        if record is not None:
+            detail = TokenDetail(record.prompt_tokens, record.completion_tokens, record.reasoning_tokens)
+        await self._limiter.release(self._held, used_tokens, detail)

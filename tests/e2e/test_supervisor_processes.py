@@ -1,0 +1,56 @@
+"""An engine made of several processes (vLLM's API server, EngineCore, a worker per GPU), as the test engine's
+helpers stand in for them: the supervisor watches each one, and one of them killed restarts the whole engine,
+leaving no process and no /dev/shm file of the old one behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.supervised import engine_status_text, fake_shm_files, group_alive, start_supervisor, status
+from tests.procs import free_port, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+THREE_PROCESSES = '["--spawn-child","--spawn-child"]'  # vLLM's stand-in and two SIGTERM-deaf helpers
+
+
+def _processes(state_dir: Path) -> list[int]:
+    listed = status(state_dir).get("processes")
+    return [int(pid) for pid in listed] if isinstance(listed, list) else []
+
+
+def _helpers(state_dir: Path) -> list[int]:
+    return [pid for pid in _processes(state_dir) if pid != status(state_dir).get("engine_pid")]
+
+
+def test_kill_9_of_one_engine_process_restarts_the_whole_engine(state_dir: Path) -> None:
+    port = free_port()
+    before = fake_shm_files()
+    supervisor = start_supervisor(state_dir, port, NEMOTRON_ENGINE__EXTRA_ARGS=THREE_PROCESSES)
+    try:
+        wait_until(lambda: len(_helpers(state_dir)) == 2, timeout=10, message="the helpers are not watched")
+        group = int(str(status(state_dir)["group_pid"]))
+        old = [int(str(status(state_dir)["engine_pid"])), *_helpers(state_dir)]
+        held = {f"fake-engine-{pid}" for pid in old[1:]}
+        assert held <= fake_shm_files()
+        listing = engine_status_text(state_dir)
+        assert all(str(pid) in listing for pid in old), listing
+
+        os.kill(old[2], signal.SIGKILL)  # one worker dies; vLLM's stand-in and the other stay up
+        wait_until(lambda: status(state_dir).get("restarts") == 1, timeout=15, message=supervisor.log_text()[-3000:])
+        last = status(state_dir)["history"][-1]  # type: ignore[index]
+        assert last["cause"] == "crash" and f"engine process {old[2]} " in last["reason"], last
+        wait_until(lambda: not group_alive(group), timeout=10, message="the old engine group survived")
+        assert held & fake_shm_files() == set(), "the old helpers' /dev/shm files must be removed"
+        wait_until(lambda: status(state_dir).get("state") == "ready", timeout=20)
+        wait_until(lambda: len(_helpers(state_dir)) == 2, timeout=10)
+        assert set(_processes(state_dir)).isdisjoint(old)
+    finally:
+        code = supervisor.stop()
+    assert code == 0
+    assert fake_shm_files() - before == set()
+    assert _processes(state_dir) == []

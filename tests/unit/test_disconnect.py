@@ -1,0 +1,98 @@
+"""The client-disconnect watcher: the work's result or error when the client stays, the work cancelled when it
+leaves (raw ASGI, no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
+from gateway.types import Message
+
+pytestmark = pytest.mark.timeout(5)
+
+
+class Client:
+    """The ASGI receive of a client that stays until `disconnect` is set."""
+
+    def __init__(self) -> None:
+        self.disconnect = asyncio.Event()
+
+    async def receive(self) -> Message:
+        await self.disconnect.wait()
+        return {"type": "http.disconnect"}
+
+
+async def test_run_until_disconnect_returns_the_work_result() -> None:
+    client = Client()
+
+    async def work() -> str:
+        await asyncio.sleep(0)
+        return "answer"
+
+    assert await run_until_disconnect(client.receive, work()) == "answer"
+
+
+async def test_run_until_disconnect_propagates_the_work_error() -> None:
+    client = Client()
+
+    async def work() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        await run_until_disconnect(client.receive, work())
+
+
+async def test_run_until_disconnect_cancels_work_when_the_client_leaves() -> None:
+    client = Client()
+    cancelled = asyncio.Event()
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "too late"
+
+    asyncio.get_running_loop().call_later(0.01, client.disconnect.set)
+    with pytest.raises(ClientDisconnectedError):
+        await run_until_disconnect(client.receive, work())
+    assert cancelled.is_set()
+
+
+async def test_run_until_disconnect_ignores_other_messages_until_disconnect() -> None:
+    queue: asyncio.Queue[Message] = asyncio.Queue()
+    queue.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+    done = asyncio.Event()
+
+    async def work() -> int:
+        await done.wait()
+        return 7
+
+    task = asyncio.create_task(run_until_disconnect(queue.get, work()))
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    done.set()
+    assert await task == 7
+
+
+async def test_run_until_disconnect_propagates_outer_cancellation_and_cancels_work() -> None:
+    client = Client()
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    outer = asyncio.create_task(run_until_disconnect(client.receive, work()))
+    await started.wait()
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    await asyncio.wait_for(cancelled.wait(), 1.0)

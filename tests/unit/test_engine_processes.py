@@ -1,0 +1,69 @@
+"""An engine of several processes on several GPUs: each process watched, and every GPU's memory seen freed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from gateway.doctor.nvml import GpuProcess, GpuReadings
+from gateway.supervisor.process import MemberWatch
+from gateway.supervisor.supervisor import held_gpu_memory, wait_gpu_memory_released
+from tests.unit.doctor.samples import GiB, h200
+
+pytestmark = pytest.mark.timeout(20)
+
+ENGINE = (4242, 4243)  # a tensor-parallel engine's two workers, one per GPU
+HELD = GpuReadings(
+    "580.159.04",
+    (13, 0),
+    (
+        replace(h200(0), processes=(GpuProcess(4242, 70 * GiB),)),
+        replace(h200(1), processes=(GpuProcess(4243, None), GpuProcess(999, 1 * GiB))),
+    ),
+)
+FREED = replace(HELD, devices=(h200(0), replace(h200(1), processes=(GpuProcess(999, 1 * GiB),))))
+
+
+def test_the_gpu_memory_an_ended_engine_still_holds_is_named_per_gpu() -> None:
+    assert held_gpu_memory(HELD, ENGINE) == ["GPU 0: pid 4242 (70.0 GiB)", "GPU 1: pid 4243 (size unknown)"]
+    assert held_gpu_memory(FREED, ENGINE) == []  # pid 999 is not the engine's
+
+
+def test_the_supervisor_waits_for_every_gpus_memory_and_says_what_stays(caplog: pytest.LogCaptureFixture) -> None:
+    answers = iter([HELD, HELD, FREED])
+    assert asyncio.run(wait_gpu_memory_released(ENGINE, lambda: next(answers), within=5)) == []
+    stuck = asyncio.run(wait_gpu_memory_released(ENGINE, lambda: HELD, within=0.3))
+    assert stuck == ["GPU 0: pid 4242 (70.0 GiB)", "GPU 1: pid 4243 (size unknown)"]
+    assert "GPU memory still held" in caplog.text
+    assert asyncio.run(wait_gpu_memory_released((), lambda: HELD)) == []  # no engine process: nothing to wait for
+
+
+def test_a_watched_process_that_is_not_our_child_reports_its_exit() -> None:
+    # The watcher's processes are vLLM's children, not the supervisor's: a grandchild stands in for one.
+    script = (
+        "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']).pid)"
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as parent:
+        assert parent.stdout is not None
+        grandchild = int(parent.stdout.readline())
+        parent.wait()
+
+    async def kill_one() -> int:
+        watch = MemberWatch([grandchild, 2**22 + 7])  # the second is no process: left out
+        assert watch.pids == [grandchild]
+        ended = asyncio.ensure_future(watch.first_exit())
+        await asyncio.sleep(0.2)
+        assert not ended.done()
+        os.kill(grandchild, signal.SIGKILL)
+        try:
+            return await asyncio.wait_for(ended, 5)
+        finally:
+            watch.close()
+
+    assert asyncio.run(kill_one()) == grandchild

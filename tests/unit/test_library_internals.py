@@ -1,0 +1,145 @@
+"""The uvicorn and aiohttp internals the gateway relies on are all there in the installed libraries.
+
+The names come from each module's own declaration (`INTERNALS` in gateway/uvicorn_internals.py and
+gateway/relay/aiohttp_internals.py), so an upgrade that removes or renames one fails here, naming it, instead of
+failing requests. A subclass's overrides are checked against the declaration both ways: one it does not declare
+would shadow a library method by accident.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+
+import aiohttp
+import pytest
+import uvicorn
+
+from gateway import uvicorn_internals
+from gateway.relay import aiohttp_internals
+from gateway.types import LibraryInternals
+
+pytestmark = pytest.mark.timeout(30)
+
+ALL_INTERNALS = [
+    (module, internals) for module in (uvicorn_internals, aiohttp_internals) for internals in module.INTERNALS
+]
+DECLARED = [
+    pytest.param(internals, id=f"{module.__name__.rsplit('.', 1)[-1]}:{internals.library_class.__name__}")
+    for module, internals in ALL_INTERNALS
+]
+SUBCLASSED = [
+    pytest.param(internals, id=f"{internals.subclass.__name__}")
+    for _, internals in ALL_INTERNALS
+    if internals.subclass is not None
+]
+# The versions the modules' docstrings name as tested; a different one installed is a reminder to re-read them.
+TESTED = {"uvicorn": (uvicorn, "0.54."), "aiohttp": (aiohttp, "3.14.")}
+
+
+@functools.cache
+def members(cls: type) -> frozenset[str]:
+    """Every name an instance of `cls` has: class attributes, methods, slots, and the attributes its methods (and
+    those of its bases) assign to `self`."""
+    names = set(dir(cls))
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):  # a builtin or C class: `dir` saw what it has
+            continue
+        for node in ast.walk(ast.parse(source)):
+            target = node.target if isinstance(node, ast.AnnAssign) else node
+            if (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+                and isinstance(target.ctx, ast.Store)
+            ):
+                names.add(target.attr)
+    return frozenset(names)
+
+
+def _defined_by(subclass: type) -> set[str]:
+    return {name for name in vars(subclass) if name not in {"__module__", "__qualname__", "__doc__", "__slots__"}}
+
+
+@pytest.mark.parametrize("internals", DECLARED)
+def test_every_name_relied_upon_exists_in_the_installed_library(internals: LibraryInternals) -> None:
+    cls = internals.library_class
+    missing = [name for name in (*internals.overridden, *internals.used) if name not in members(cls)]
+    assert not missing, (
+        f"{cls.__module__}.{cls.__qualname__} no longer has {missing}, which the gateway relies on; "
+        "adapt the module that declares it (and its docstring) before allowing this version"
+    )
+
+
+@pytest.mark.parametrize("internals", DECLARED)
+def test_overridden_methods_are_methods_with_the_signature_the_override_has(internals: LibraryInternals) -> None:
+    cls, subclass = internals.library_class, internals.subclass
+    for name in internals.overridden:
+        theirs = getattr(cls, name, None)
+        assert callable(theirs), f"{cls.__qualname__}.{name} is no longer a method"
+        assert subclass is not None
+        ours = inspect.signature(getattr(subclass, name))
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in ours.parameters.values()):
+            continue  # passes whatever it gets on to the library's method
+        assert list(inspect.signature(theirs).parameters) == list(ours.parameters), (
+            f"{cls.__qualname__}.{name} now takes {inspect.signature(theirs)}; "
+            f"{subclass.__qualname__}.{name} takes {ours}"
+        )
+
+
+@pytest.mark.parametrize("internals", SUBCLASSED)
+def test_a_subclass_overrides_exactly_what_is_declared(internals: LibraryInternals) -> None:
+    subclass = internals.subclass
+    assert subclass is not None
+    shadowing = {name for name in _defined_by(subclass) if name in members(internals.library_class)}
+    assert shadowing == set(internals.overridden), (
+        f"{subclass.__qualname__} shadows {sorted(shadowing - set(internals.overridden))} of "
+        f"{internals.library_class.__qualname__} without declaring it, or declares "
+        f"{sorted(set(internals.overridden) - shadowing)} it does not override"
+    )
+
+
+def test_the_stream_readers_add_no_slots_so_a_live_reader_can_take_their_class() -> None:
+    for subclass in (aiohttp_internals.EngineStreamReader, aiohttp_internals.TappedStreamReader):
+        assert vars(subclass)["__slots__"] == ()
+    assert not hasattr(aiohttp.StreamReader, "__dict__") or "__dict__" not in aiohttp.StreamReader.__slots__
+
+
+def test_the_declared_shadowing_check_sees_an_undeclared_override() -> None:
+    class Sneaky(aiohttp.StreamReader):
+        __slots__ = ()
+
+        def at_eof(self) -> bool:  # aiohttp's own method, not declared below
+            return True
+
+    sneaky = LibraryInternals(aiohttp.StreamReader, subclass=Sneaky, overridden=())
+    with pytest.raises(AssertionError, match="at_eof"):
+        test_a_subclass_overrides_exactly_what_is_declared(sneaky)
+
+
+def test_a_name_gone_from_the_library_is_named_in_the_failure() -> None:
+    gone = LibraryInternals(aiohttp.StreamReader, used=("_buffer", "_renamed_buffer"))
+    with pytest.raises(AssertionError, match="no longer has \\['_renamed_buffer'\\]"):
+        test_every_name_relied_upon_exists_in_the_installed_library(gone)
+
+
+def test_the_member_scan_finds_attributes_set_in_methods_and_misses_absent_ones() -> None:
+    found = members(uvicorn.protocols.http.httptools_impl.RequestResponseCycle)
+    assert {"chunked_encoding", "response_started", "keep_alive"} <= found
+    assert "no_such_attribute" not in found
+
+
+@pytest.mark.parametrize("library", sorted(TESTED))
+def test_the_installed_version_is_the_one_the_modules_were_checked_with(library: str) -> None:
+    module, prefix = TESTED[library]
+    assert module.__version__.startswith(prefix), (
+        f"{library} {module.__version__} is installed; the internals were read on {prefix}x: re-read what "
+        f"{'gateway/uvicorn_internals.py' if library == 'uvicorn' else 'gateway/relay/aiohttp_internals.py'} "
+        "relies on, then update its docstring, this table and the bound in pyproject.toml"
+    )
