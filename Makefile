@@ -1,5 +1,5 @@
 # The README's commands. `make test` is what CI runs.
-.PHONY: run test test-fast test-deploy lint bench soak dashboard
+.PHONY: run test test-fast test-deploy lint bench hotspots soak dashboard
 
 run:            ## the main job: install, model, Redis, a demo key, engine supervisor + gateway
 	scripts/run
@@ -18,11 +18,17 @@ test-deploy:    ## the shipped units under a real systemd (a booted Debian conta
 lint:
 	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests tools deploy && .venv/bin/mypy
 
-bench:          ## gateway overhead vs the engine directly and vs nginx (the reference proxy), without and with keys + limits
+bench:          ## gateway overhead vs the engine directly and vs nginx (the reference proxy): the default settings, then lean
 	scripts/bootstrap
 	mkdir -p loadtest/results
-	.venv/bin/python -m loadtest.overhead --json loadtest/results/overhead.json
-	.venv/bin/python -m loadtest.overhead --auth --json loadtest/results/overhead-auth.json
+	@echo "== default settings: access log on, NEMOTRON_WORKERS unset, an API key with limits on every request"
+	.venv/bin/python -m loadtest.overhead --json loadtest/results/overhead-default.json
+	@echo "== lean: access log off, one worker, no keys"
+	.venv/bin/python -m loadtest.overhead --lean --json loadtest/results/overhead-lean.json
+
+hotspots:       ## where the gateway's CPU goes under the bench's load (py-spy, default settings; HOTSPOTS_ARGS="--lean")
+	scripts/bootstrap
+	.venv/bin/python -m loadtest.hotspots $(HOTSPOTS_ARGS)
 
 soak:           ## a bounded soak (3 min; SOAK_ARGS="--duration 900" for longer, "--engine-url URL" for a real engine)
 	scripts/bootstrap

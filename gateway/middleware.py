@@ -194,9 +194,16 @@ class RequestContextMiddleware:
             self._log(scope, record, status, duration, ttft)
 
 
+def _emit(message: str, *args: object) -> None:
+    """`access_logger.info(message, *args)` less its search of the stack for the caller's file and line, which no
+    line shows (a fifth of what logging one access line cost)."""
+    if access_logger.isEnabledFor(logging.INFO):
+        access_logger.handle(access_logger.makeRecord(access_logger.name, logging.INFO, "", 0, message, args, None))
+
+
 def _text_line(scope: Scope, record: RequestRecord, status: int, duration: float, ttft: float | None) -> None:
     client = scope.get("client")
-    access_logger.info(
+    _emit(
         '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s api=%s%s',
         loggable(client[0]) if client else "-",
         loggable(scope["method"]),
@@ -239,7 +246,7 @@ def _json_line(scope: Scope, record: RequestRecord, status: int, duration: float
         "engine_error": record.engine_error,
         "cause": record.cause,
     }
-    access_logger.info("%s", orjson.dumps(line).decode())
+    _emit("%s", orjson.dumps(line).decode())
 
 
 @functools.lru_cache(maxsize=4096)

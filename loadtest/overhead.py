@@ -7,11 +7,15 @@ Reports medians across rounds: latency direct vs gateway, saturation requests/s,
 CPU time per request and per relayed chunk from /proc/<pid>/stat. Imports nothing from `gateway`.
 
     python -m loadtest.overhead [--duration S] [--rounds K] [--concurrency 1 32] [--json OUT]
-    python -m loadtest.overhead --auth [--redis-url URL]    # API key + limits on: one Redis round trip more
-    python -m loadtest.overhead --no-nginx                  # without the nginx reference
+    python -m loadtest.overhead --lean [--auth]     # access log off, one worker, no keys (--auth: keys on)
+    python -m loadtest.overhead --no-nginx          # without the nginx reference
 
-With `--auth` the gateway checks a real key and admits every request through the Redis limiter (limits
-high enough never to refuse), so the difference between the two runs is what keys and limits cost.
+By default the gateway runs with the settings a user runs: no NEMOTRON_* variable but the engine and Redis
+URLs, so the access log is on (info level), the worker count is its default (one per usable CPU: one under
+the bench's one-core pin, two with `--no-pin` on a 2-core machine) and keys and limits are on: a real key
+admitted through the Redis limiter on every request (limits high enough never to refuse). `--lean` is the
+relay alone. CPU is summed over the gateway's process and its forked workers. Without `--redis-url` a
+private redis-server is started (on core 1, with the engine).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +37,22 @@ import orjson
 
 from loadtest.nginx import nginx_binary, nginx_process
 from loadtest.phases import CpuMeter, PhaseRecord, Workload, chunk_cost_us, median, pick, records_json, run_phase
-from loadtest.processes import BenchProcess, can_pin, free_port, pin_self, python_argv, revision
+from loadtest.processes import (
+    BenchProcess,
+    can_pin,
+    free_port,
+    pin_self,
+    python_argv,
+    redis_process,
+    revision,
+    wait_redis,
+)
 
 GATEWAY, ENGINE, NGINX = "gateway", "engine", "nginx"
+# A second gateway from another source tree (`--baseline DIR`), measured in the same rounds: before and after a
+# change under the same noise.
+BASELINE = "baseline"
+_GATEWAYS = (GATEWAY, BASELINE)
 DIRECT = "direct"
 # The overhead targets (README, "Performance"); a request with a key and the Redis limiter may cost up to
 # `ms_per_request_auth`.
@@ -47,8 +64,8 @@ TARGETS = {
     "rps": 1500.0,
     "added_p50_ms_c1": 1.0,
 }
-# One worker process: the benchmark measures what one core costs (it is pinned to one anyway).
-GATEWAY_ENV = {
+# The lean configuration: no access log, warnings only, one worker, no keys (unless --auth).
+LEAN_ENV = {
     "NEMOTRON_ACCESS_LOG": "false",
     "NEMOTRON_LOG_LEVEL": "warning",
     "NEMOTRON_AUTH__ENABLED": "false",
@@ -69,9 +86,18 @@ class Options:
     chunk_delay: float
     max_requests: int
     pin: bool
-    auth: bool = False
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    auth: bool = True
+    redis_url: str | None = None
     nginx: bool = False
+    lean: bool = False
+    baseline: Path | None = None
+
+    @property
+    def label(self) -> str:
+        """The gateway's settings in words, for the report's title."""
+        if not self.lean:
+            return "default settings: access log on, workers unset, API key and limits ON"
+        return f"lean: access log off, 1 worker, {'API key and limits ON' if self.auth else 'auth OFF'}"
 
 
 def workloads(options: Options) -> list[Workload]:
@@ -99,7 +125,7 @@ async def measure(
                 meter,
                 duration=options.warmup,
                 max_requests=100_000,
-                headers=headers if target == GATEWAY else None,
+                headers=headers if target in _GATEWAYS else None,
             )
     for round_no in range(options.rounds):
         for workload in plan:
@@ -113,7 +139,7 @@ async def measure(
                     meter,
                     duration=options.duration,
                     max_requests=options.max_requests,
-                    headers=headers if target == GATEWAY else None,
+                    headers=headers if target in _GATEWAYS else None,
                 )
                 records.append(record)
                 proxy = target if target in record.cpu_s else GATEWAY
@@ -292,51 +318,98 @@ def render(rows: list[list[str]], summary: dict[str, Any], options: Options) -> 
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """The started processes: the chat-completions URL of each target, the metered pids, the gateway's headers."""
+
+    urls: dict[str, str]
+    pids: dict[str, int]
+    headers: dict[str, str] | None
+
+
 def run(options: Options) -> list[PhaseRecord]:
-    """Start the stub engine and the gateway, measure, stop both."""
-    engine_port, gateway_port = free_port(), free_port()
-    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+    """Start the targets, measure, stop them."""
+    with ExitStack() as stack:
+        targets = start_targets(options, stack)
+        return asyncio.run(measure(options, targets.urls, CpuMeter(targets.pids), targets.headers))
+
+
+def start_targets(options: Options, stack: ExitStack) -> Targets:
+    """Start Redis (for keys, unless one is given), the stub engine, the gateway and nginx, stopped by `stack`."""
     pin = options.pin
-    engine = BenchProcess(
-        ENGINE,
-        python_argv("loadtest.stub_engine", "--port", str(engine_port), "--chunk-delay", str(options.chunk_delay)),
-        core=1 if pin else None,
-    )
+    engine_port = free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
     gateway_cmd = Path(sys.executable).with_name("nemotron-gateway")
-    env, headers, key_name = dict(GATEWAY_ENV), None, f"bench-{os.getpid()}"
-    if options.auth:
-        env |= {"NEMOTRON_AUTH__ENABLED": "true", "NEMOTRON_REDIS_URL": options.redis_url}
-        headers = {"Authorization": f"Bearer {_create_key(gateway_cmd, options.redis_url, key_name)}"}
-    gateway = BenchProcess(
-        GATEWAY,
-        [str(gateway_cmd), "serve", "--host", "127.0.0.1", "--port", str(gateway_port), "--engine-url", engine_url],
-        core=0 if pin else None,
-        env=env,
+    redis_url = options.redis_url
+    if options.auth and redis_url is None:
+        redis_port = free_port()
+        stack.enter_context(redis_process(redis_port, core=1 if pin else None))
+        wait_redis(redis_port)
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    headers, key_name = None, f"bench-{os.getpid()}"
+    if redis_url is not None and options.auth:
+        headers = {"Authorization": f"Bearer {_create_key(gateway_cmd, redis_url, key_name)}"}
+        stack.callback(_keys_cli, gateway_cmd, redis_url, "revoke", key_name)
+    engine_argv = ["--port", str(engine_port), "--chunk-delay", str(options.chunk_delay)]
+    engine = stack.enter_context(
+        BenchProcess(ENGINE, python_argv("loadtest.stub_engine", *engine_argv), core=1 if pin else None)
+    )
+    gateway_port = free_port()
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    gateway_argv = ["serve", "--host", "127.0.0.1", "--port", str(gateway_port), "--engine-url", engine_url]
+    gateway = stack.enter_context(
+        BenchProcess(
+            GATEWAY,
+            [str(gateway_cmd), *gateway_argv],
+            core=0 if pin else None,
+            env=_gateway_env(options, redis_url),
+            inherit=False,
+        )
     )
     if pin:
         pin_self(1)
-    with ExitStack() as stack:
-        stack.enter_context(engine)
-        stack.enter_context(gateway)
-        engine.wait_http(engine_url + "/health")
-        gateway.wait_http(gateway_url + "/health")
-        pids = {GATEWAY: gateway.pid, ENGINE: engine.pid}
-        urls = {DIRECT: engine_url + "/v1/chat/completions", GATEWAY: gateway_url + "/v1/chat/completions"}
-        binary = nginx_binary()
-        if options.nginx and binary is not None:
-            nginx_port = free_port()
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="loadtest-nginx-")))
-            nginx = stack.enter_context(nginx_process(binary, root, nginx_port, engine_port, 0 if pin else None))
-            # Any path reaches the engine through nginx; the stub answers GET /health.
-            nginx.wait_http(f"http://127.0.0.1:{nginx_port}/health")
-            pids[NGINX] = nginx.pid
-            urls[NGINX] = f"http://127.0.0.1:{nginx_port}/v1/chat/completions"
-        meter = CpuMeter(pids)
-        try:
-            return asyncio.run(measure(options, urls, meter, headers))
-        finally:
-            if options.auth:
-                _keys_cli(gateway_cmd, options.redis_url, "revoke", key_name)
+    engine.wait_http(engine_url + "/health")
+    gateway.wait_http(gateway_url + "/ready")
+    pids = {GATEWAY: gateway.pid, ENGINE: engine.pid}
+    urls = {DIRECT: engine_url + "/v1/chat/completions", GATEWAY: gateway_url + "/v1/chat/completions"}
+    if options.baseline is not None:
+        base_port = free_port()
+        env = _gateway_env(options, redis_url) | {"PYTHONPATH": str(options.baseline.resolve())}
+        base_argv = [*gateway_argv[:4], str(base_port), *gateway_argv[5:]]
+        base = stack.enter_context(
+            # -P: the working directory (this tree) must not come before PYTHONPATH on the import path.
+            BenchProcess(
+                BASELINE,
+                [sys.executable, "-P", "-m", "gateway", *base_argv],
+                core=0 if pin else None,
+                env=env,
+                inherit=False,
+            )
+        )
+        base.wait_http(f"http://127.0.0.1:{base_port}/ready")
+        pids[BASELINE] = base.pid
+        urls[BASELINE] = f"http://127.0.0.1:{base_port}/v1/chat/completions"
+    binary = nginx_binary()
+    if options.nginx and binary is not None:
+        nginx_port = free_port()
+        root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="loadtest-nginx-")))
+        nginx = stack.enter_context(nginx_process(binary, root, nginx_port, engine_port, 0 if pin else None))
+        # Any path reaches the engine through nginx; the stub answers GET /health.
+        nginx.wait_http(f"http://127.0.0.1:{nginx_port}/health")
+        pids[NGINX] = nginx.pid
+        urls[NGINX] = f"http://127.0.0.1:{nginx_port}/v1/chat/completions"
+    return Targets(urls, pids, headers)
+
+
+def _gateway_env(options: Options, redis_url: str | None) -> dict[str, str]:
+    """The gateway's whole environment: the caller's less its NEMOTRON_* settings (the run names its own), plus
+    the lean settings (or none: the defaults) and, with keys, the Redis to keep them in."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("NEMOTRON_")}
+    if options.lean:
+        env |= LEAN_ENV
+    if options.auth and redis_url is not None:
+        env |= {"NEMOTRON_AUTH__ENABLED": "true", "NEMOTRON_REDIS_URL": redis_url}
+    return env
 
 
 def _keys_cli(gateway_cmd: Path, redis_url: str, *args: str) -> str:
@@ -372,9 +445,18 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
     parser.add_argument("--max-requests", type=int, default=200_000, help="bound on requests per phase")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--json", type=Path, help="also write the records and summary here")
-    parser.add_argument("--auth", action="store_true", help="gateway with an API key and the Redis limiter on")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis for --auth")
+    parser.add_argument(
+        "--lean", action="store_true", help="the relay alone: access log off, one worker, no keys (unless --auth)"
+    )
+    parser.add_argument("--auth", action="store_true", help="with --lean: an API key and the Redis limiter on")
+    parser.add_argument("--redis-url", help="a running Redis for the keys (default: a private redis-server)")
     parser.add_argument("--no-nginx", action="store_true", help="leave out nginx, the reference proxy")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="also measure, in the same rounds, the gateway of another source tree (a directory holding its "
+        "`gateway` package, e.g. from `git archive REV gateway | tar -x -C DIR`); reported after this tree's",
+    )
     args = parser.parse_args(argv)
     few, many = sorted(args.chunks)
     if few == many:
@@ -389,9 +471,11 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
         chunk_delay=args.chunk_delay,
         max_requests=args.max_requests,
         pin=can_pin() and not args.no_pin,
-        auth=args.auth,
+        auth=args.auth or not args.lean,
         redis_url=args.redis_url,
         nginx=not args.no_nginx and nginx_binary() is not None,
+        lean=args.lean,
+        baseline=args.baseline,
     )
     return options, args.json
 
@@ -400,18 +484,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m loadtest.overhead`."""
     options, json_path = parse_options(argv)
     records = run(options)
-    rows, summary = summarize(records, options)
-    mode = "API key and limits ON" if options.auth else "auth OFF"
-    sys.stdout.write(f"Gateway overhead ({mode}) at {revision()}\n\n" + render(rows, summary, options))
+    rows, summary = summarize([r for r in records if r.target != BASELINE], options)
+    sys.stdout.write(f"Gateway overhead ({options.label}) at {revision()}\n\n" + render(rows, summary, options))
+    report: dict[str, Any] = {"revision": revision(), "options": _options_json(options), "summary": summary}
+    if options.baseline is not None:
+        # The baseline's records stand in for the gateway's: the same summary, in the same rounds.
+        others = [r for r in records if r.target not in _GATEWAYS]
+        as_gateway = [_as_gateway(r) for r in records if r.target == BASELINE]
+        base_rows, report["baseline_summary"] = summarize(others + as_gateway, options)
+        sys.stdout.write(
+            f"\nBaseline {options.baseline}, same rounds\n\n" + render(base_rows, report["baseline_summary"], options)
+        )
     if json_path is not None:
-        report: dict[str, Any] = {"revision": revision(), "options": _options_json(options)}
-        report |= {"summary": summary, "records": records_json(records)}
+        report["records"] = records_json(records)
         json_path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return 0
 
 
+def _as_gateway(record: PhaseRecord) -> PhaseRecord:
+    """A baseline phase as the gateway's: its target and its CPU counters under the gateway's name."""
+    return replace(
+        record,
+        target=GATEWAY,
+        cpu_s={**record.cpu_s, GATEWAY: record.cpu_s[BASELINE]},
+        sys_s={**record.sys_s, GATEWAY: record.sys_s[BASELINE]},
+        wait_s={**record.wait_s, GATEWAY: record.wait_s[BASELINE]},
+    )
+
+
 def _options_json(options: Options) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in Options.__slots__}
+    values = {name: getattr(options, name) for name in Options.__slots__}
+    return {name: str(value) if isinstance(value, Path) else value for name, value in values.items()}
 
 
 if __name__ == "__main__":

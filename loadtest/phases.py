@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from loadtest.loadgen import LoadResult, run_load
-from loadtest.processes import cpu_seconds, own_cpu_seconds, run_queue_wait_seconds
+from loadtest.processes import own_cpu_seconds, run_queue_wait_seconds, tree_cpu_seconds, tree_run_queue_wait_seconds
 from loadtest.stub_engine import MODEL
 
 LOADGEN = "loadgen"
@@ -97,16 +97,17 @@ class CpuSnapshot:
 
 
 class CpuMeter:
-    """Snapshots the CPU seconds of named processes and of this one (the load generator)."""
+    """Snapshots the CPU seconds of named processes (each with its descendants: a gateway's forked workers) and of
+    this one (the load generator)."""
 
     def __init__(self, pids: Mapping[str, int]) -> None:
         self._pids = dict(pids)
 
     def snapshot(self) -> CpuSnapshot:
         """The counters of every metered process now."""
-        times = {name: cpu_seconds(pid) for name, pid in self._pids.items()}
+        times = {name: tree_cpu_seconds(pid) for name, pid in self._pids.items()}
         times[LOADGEN] = own_cpu_seconds()
-        wait = {name: run_queue_wait_seconds(pid) for name, pid in self._pids.items()}
+        wait = {name: tree_run_queue_wait_seconds(pid) for name, pid in self._pids.items()}
         wait[LOADGEN] = run_queue_wait_seconds(os.getpid())
         return CpuSnapshot(
             cpu={name: user + system for name, (user, system) in times.items()},

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -38,6 +40,50 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         fields = stat.read().rsplit(b")", 1)[1].split()
     # After the ")" closing comm, field 3 (state) is index 0, so utime (14) and stime (15) are 11 and 12.
     return int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a gateway's forked workers), from /proc/<pid>/task/*/children; a process that
+    is gone by the time it is read is left out."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children", "rb") as children:
+                    pending.extend(int(child) for child in children.read().split())
+            except OSError:
+                continue
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> tuple[float, float]:
+    """(utime, stime) summed over `pid` and its descendants, in seconds; a process that exits while it is read
+    (a replaced worker) counts what it spent until then, or nothing."""
+    user = system = 0.0
+    for member in process_tree(pid):
+        try:
+            u, s = cpu_seconds(member)
+        except OSError:
+            continue
+        user, system = user + u, system + s
+    return user, system
+
+
+def tree_run_queue_wait_seconds(pid: int) -> float:
+    """run_queue_wait_seconds summed over `pid` and its descendants (each worker's event loop)."""
+    total = 0.0
+    for member in process_tree(pid):
+        try:
+            total += run_queue_wait_seconds(member)
+        except OSError:
+            continue
+    return total
 
 
 def run_queue_wait_seconds(pid: int) -> float:
@@ -70,11 +116,18 @@ class BenchProcess(LoggedProcess):
     repository root; stopped by process group."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], *, core: int | None, env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        core: int | None,
+        env: Mapping[str, str] | None = None,
+        inherit: bool = True,
     ) -> None:
         pinned = (["taskset", "-c", str(core)] if core is not None else []) + list(argv)
-        # taskset execs the command, so `pid` is the command's own.
-        super().__init__(pinned, env={**os.environ, **(env or {})}, cwd=REPO_ROOT, name=name)
+        # taskset execs the command, so `pid` is the command's own. `inherit=False`: `env` is the whole
+        # environment, not additions to this process's.
+        super().__init__(pinned, env={**(os.environ if inherit else {}), **(env or {})}, cwd=REPO_ROOT, name=name)
 
     def log_tail(self, size: int = 2000) -> str:
         """The last `size` characters of the process's output."""
@@ -83,6 +136,38 @@ class BenchProcess(LoggedProcess):
     def wait_http(self, url: str, within: float = 20.0) -> None:
         """Poll `url` until it answers 200; ProcessStartError if the process exits or time runs out."""
         self.wait_until_ready(url, within)
+
+
+def redis_server_binary() -> str:
+    """The redis-server executable; SystemExit when none is installed."""
+    found = shutil.which("redis-server") or next(
+        (p for p in ("/usr/sbin/redis-server", "/usr/bin/redis-server") if os.access(p, os.X_OK)), None
+    )
+    if found is None:
+        raise SystemExit("no redis-server found: install it or pass --redis-url")
+    return found
+
+
+def redis_process(port: int, core: int | None) -> BenchProcess:
+    """A private, memory-only redis-server on 127.0.0.1:`port` (a benchmark never touches a shared Redis)."""
+    argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return BenchProcess("redis", argv, core=core)
+
+
+def wait_redis(port: int, within: float = 20.0) -> None:
+    """Poll 127.0.0.1:`port` with PING until Redis answers +PONG; ProcessStartError when time runs out."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            raise ProcessStartError(f"redis on port {port} did not answer PING within {within:g} s")
+        time.sleep(0.05)
 
 
 def python_argv(module: str, *args: str) -> list[str]:

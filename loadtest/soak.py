@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import os
 import re
-import shutil
 import statistics
 import sys
 import time
@@ -30,9 +29,8 @@ from typing import Any
 import httpx
 import orjson
 
-from loadtest.gpu.sweep import children_by_parent
 from loadtest.overhead import _create_key, _keys_cli
-from loadtest.processes import BenchProcess, free_port, python_argv, revision
+from loadtest.processes import BenchProcess, free_port, process_tree, python_argv, redis_process, revision
 
 RESULTS = Path("loadtest/results")
 _IN_FLIGHT = re.compile(rb"^nemotron_gateway_requests_in_flight ([0-9.e+-]+)$", re.M)
@@ -75,14 +73,6 @@ class Tally:
     statuses: Counter[str] = field(default_factory=Counter)
 
 
-def _process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (the gateway may serve from forked worker processes)."""
-    children, tree = children_by_parent(), [pid]
-    for member in tree:
-        tree += children.get(member, [])
-    return tree
-
-
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -93,7 +83,7 @@ def _rss_mb(pid: int) -> float:
 def _sample(pid: int, started: float) -> Sample:
     """RSS and open fds summed over the gateway's processes."""
     rss, fds = 0.0, 0
-    for member in _process_tree(pid):
+    for member in process_tree(pid):
         with contextlib.suppress(OSError):  # a worker that just exited
             rss, fds = rss + _rss_mb(member), fds + len(os.listdir(f"/proc/{member}/fd"))
     return Sample(round(time.monotonic() - started, 2), round(rss, 2), fds)
@@ -229,15 +219,6 @@ def markdown(report: dict[str, Any]) -> str:
     )
 
 
-def _redis_server() -> str:
-    found = shutil.which("redis-server") or next(
-        (p for p in ("/usr/sbin/redis-server", "/usr/bin/redis-server") if os.access(p, os.X_OK)), None
-    )
-    if found is None:
-        raise SystemExit("no redis-server found: install it or pass --redis-url")
-    return found
-
-
 def run(options: Options) -> dict[str, Any]:
     """Start what is missing (Redis, stub engine), the gateway with a fresh key; soak; stop them."""
     processes: list[BenchProcess] = []
@@ -246,8 +227,7 @@ def run(options: Options) -> dict[str, Any]:
         if redis_url is None:
             port = free_port()
             redis_url = f"redis://127.0.0.1:{port}/0"
-            argv = [_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            processes.append(BenchProcess("redis", argv, core=None))
+            processes.append(redis_process(port, core=None))
             processes[-1].start()
         engine_url = options.engine_url
         if engine_url is None:

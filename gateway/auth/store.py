@@ -7,6 +7,7 @@ stored, logged, or put in messages.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import logging
 import time
@@ -39,7 +40,7 @@ from gateway.auth.keys import (
 )
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import PubSubListener, RedisCalls
+from gateway.redis_client import DirectScript, PubSubListener, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -85,18 +86,20 @@ class KeyStore:
         # by the failed-auth guard may still use these, and only these, so its guesses are never looked up.
         self._known: dict[str, None] = {}
         self._generation = 0
+        # Digest -> (generation it started in, the lookup in flight): see `_fetch_once`.
+        self._fetching: dict[str, tuple[int, asyncio.Future[ApiKey]]] = {}
         self._listener = PubSubListener(
             redis, INVALIDATION_CHANNEL, self._on_invalidation, on_gap=self._flush, stop_timeout=self._calls.timeout + 1
         )
         self._last_fail_open_warning = 0.0
         self._skip_redis_until = 0.0
-        self._lookup = redis.register_script(scripts.LOOKUP)
-        self._create = redis.register_script(scripts.CREATE)
-        self._list = redis.register_script(scripts.LIST)
-        self._revoke = redis.register_script(scripts.REVOKE)
-        self._rotate = redis.register_script(scripts.ROTATE)
-        self._update = redis.register_script(scripts.UPDATE)
-        self._delete = redis.register_script(scripts.DELETE)
+        self._lookup = DirectScript(redis, scripts.LOOKUP)
+        self._create = DirectScript(redis, scripts.CREATE)
+        self._list = DirectScript(redis, scripts.LIST)
+        self._revoke = DirectScript(redis, scripts.REVOKE)
+        self._rotate = DirectScript(redis, scripts.ROTATE)
+        self._update = DirectScript(redis, scripts.UPDATE)
+        self._delete = DirectScript(redis, scripts.DELETE)
 
     @property
     def hashes_keyed(self) -> bool:
@@ -134,7 +137,7 @@ class KeyStore:
         if entry is not None and now - entry.fetched_at < self._cache_ttl:
             key = entry.key
         else:
-            key = await self._fetch(digest, now, entry)
+            key = await self._fetch_once(digest, now, entry)
         if key.state(datetime.now(UTC)) is not KeyState.ACTIVE:
             raise AuthenticationError(INVALID_KEY_MESSAGE, cause="inactive")
         if digest not in self._known:
@@ -266,6 +269,25 @@ class KeyStore:
     @property
     def _cache_ttl(self) -> float:
         return self._settings.cache_ttl
+
+    async def _fetch_once(self, digest: str, now: float, stale: _Entry | None) -> ApiKey:
+        """`_fetch`, shared: requests with one key that find its cache entry expired at once (every concurrent
+        request of a busy key, once a second) wait for one lookup instead of sending one each, unless an
+        invalidation came since that lookup started (it may have read what was just revoked). Shielded: a
+        request that goes away does not end the lookup the others wait for."""
+        pending = self._fetching.get(digest)
+        if pending is not None and pending[0] == self._generation:
+            return await asyncio.shield(pending[1])
+        lookup = asyncio.ensure_future(self._fetch(digest, now, stale))
+        self._fetching[digest] = (self._generation, lookup)
+
+        def forget(done: asyncio.Future[ApiKey]) -> None:
+            current = self._fetching.get(digest)
+            if current is not None and current[1] is done:
+                del self._fetching[digest]
+
+        lookup.add_done_callback(forget)
+        return await asyncio.shield(lookup)
 
     async def _fetch(self, digest: str, now: float, stale: _Entry | None) -> ApiKey:
         may_fail_open = self._settings.fail_open and stale is not None and now - stale.fetched_at < self._fail_open_age

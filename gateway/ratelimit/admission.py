@@ -36,7 +36,7 @@ import redis.asyncio as redis_asyncio
 from gateway.engine.state import STATUS_FILE, launched_sequence_slots
 from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import RedisCalls
+from gateway.redis_client import DirectScript, RedisCalls
 from gateway.settings import AdmissionSettings, Settings
 
 logger = logging.getLogger(__name__)
@@ -176,8 +176,8 @@ class EngineAdmission:
         self._calls = RedisCalls(settings.redis, metrics)
         name = engine_id(settings)
         self._keys = [f"{_PREFIX}{{{name}}}:load", f"{_PREFIX}{{{name}}}:admitted"]
-        self._admit = redis.register_script(ADMIT)
-        self._publish = redis.register_script(PUBLISH)
+        self._admit = DirectScript(redis, ADMIT)
+        self._publish = DirectScript(redis, PUBLISH)
         self._redis = redis
         self._last: tuple[float, float] | None = None  # (monotonic time, finished) of this worker's last scrape
         self._drain = 0.0  # requests finished per second between this worker's last two scrapes

@@ -19,7 +19,7 @@ import redis.asyncio as redis_asyncio
 
 from gateway.errors import KeyStoreUnavailableError, RateLimitError
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import PubSubListener, RedisCalls
+from gateway.redis_client import DirectScript, PubSubListener, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class FailedAuthGuard:
         self._redis = redis
         self._settings = settings.auth
         self._calls = RedisCalls(settings.redis, metrics)
-        self._record = redis.register_script(_RECORD_FAILURE)
+        self._record = DirectScript(redis, _RECORD_FAILURE)
         # Blocks this process already knows of, so a blocked client hammering us costs no Redis call.
         self._blocked_until: dict[str, float] = {}
         self._last_warning = 0.0

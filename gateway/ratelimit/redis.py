@@ -51,7 +51,7 @@ from gateway.ratelimit.limiter import (
     rate_headers,
     rate_limit_error,
 )
-from gateway.redis_client import REDIS_ERRORS, RedisCalls
+from gateway.redis_client import REDIS_ERRORS, DirectScript, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -145,9 +145,9 @@ class RedisRateLimiter:
         self._admitted_marker_ms = max(1, round(2 * self._calls.timeout * 1000))
         self._released_marker_ms = self._ttl_ms + 2 * self._admitted_marker_ms
         self._retention_s = settings.limits.usage_retention_days * 86_400
-        self._acquire = redis.register_script(lua.ACQUIRE)
-        self._release = redis.register_script(lua.RELEASE)
-        self._renew = redis.register_script(lua.RENEW)
+        self._acquire = DirectScript(redis, lua.ACQUIRE)
+        self._release = DirectScript(redis, lua.RELEASE)
+        self._renew = DirectScript(redis, lua.RENEW)
         self._live: dict[str, Lease] = {}
         self._pending: set[asyncio.Task[Any]] = set()
         self._retrying: set[BackgroundTask] = set()  # releases that failed, retried until Redis answers

@@ -22,6 +22,7 @@ import httpx
 # writes for the enable_thinking models (their own template closes an empty <think></think> when it is off).
 MARKERS = {
     "nemotron-3-nano": ("<think></think>", "<think>\n"),
+    "nemotron-3-nano-4b": ("<think></think>", "<think>\n"),  # the Nemotron 3 chat template of nemotron-3-nano
     "nemotron-nano-9b-v2": ("/no_think", "/think"),
 }
 TOOL_CALL_TOKEN = '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'

@@ -174,6 +174,35 @@ async def test_cache_ttl_bounds_staleness_without_pub_sub(client: redis_asyncio.
     assert await _rejected(unsubscribed, secret)
 
 
+async def _lookups(client: redis_asyncio.Redis) -> int:
+    """EVALSHA calls Redis has run so far (every key lookup is one)."""
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_concurrent_requests_of_an_uncached_key_share_one_lookup(
+    store: KeyStore, client: redis_asyncio.Redis
+) -> None:
+    # A busy key's cache entry expires under all its concurrent requests at once: one lookup, not one each.
+    key, secret = await store.create("busy")
+    await store.authenticate(secret)  # the lookup script is loaded (a NOSCRIPT reply is counted as a call too)
+    store.invalidate("*")
+    before = await _lookups(client)
+    keys = await asyncio.gather(*(store.authenticate(secret) for _ in range(32)))
+    assert all(found == key for found in keys)
+    assert await _lookups(client) - before == 1
+    # An invalidation (a revoke, say) while a lookup is in flight: that lookup may have read the old record, so a
+    # request after it sends its own.
+    store.invalidate("*")
+    before = await _lookups(client)
+    first = asyncio.ensure_future(store.authenticate(secret))
+    await asyncio.sleep(0)  # its lookup is in flight
+    store.invalidate("busy")
+    assert await store.authenticate(secret) == key
+    assert await first == key
+    assert await _lookups(client) - before == 2
+
+
 async def test_expiry_applies_to_cached_keys(store: KeyStore) -> None:
     _, secret = await store.create("brief", expires_at=datetime.now(UTC) + timedelta(seconds=0.3))
     await store.authenticate(secret)

@@ -92,7 +92,7 @@ def test_the_schema_rejects_what_it_should(capsys: pytest.CaptureFixture[str]) -
     assert validate({"schema_version": 1}) != []
     problems = validate({"schema_version": 99, "kind": "run", "points": [{"label": 3}]})
     assert any("99" in p for p in problems) and any("$.points[0].label" in p for p in problems)
-    assert any("missing 'summary'" in p for p in problems)
+    assert any("'summary' is a required property" in p for p in problems)
 
 
 def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

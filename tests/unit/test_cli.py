@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -118,6 +119,16 @@ def test_demo_model_writes_the_model_from_any_directory_of_a_checkout(tmp_path: 
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["architectures"] == ["NemotronForCausalLM"]
     assert (tmp_path / "model" / "tokenizer.json").is_file()
+
+
+def test_log_lines_read_as_loggings_own_format_within_a_second_and_across_seconds() -> None:
+    # The date and time are formatted once a second; every line must still read as logging's own formatter writes it.
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    ours, theirs = cli.LineFormatter(fmt), logging.Formatter(fmt)
+    for created in (1_764_605_000.001, 1_764_605_000.999, 1_764_605_001.5, 1_764_605_000.25):
+        record = logging.LogRecord("gateway.access", logging.INFO, "", 0, "line %d", (7,), None)
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        assert ours.format(record) == theirs.format(record)
 
 
 # The engine command under its two names: `nemotron-gateway engine ARGS` and `nemotron-engine ARGS`.

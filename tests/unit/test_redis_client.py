@@ -8,13 +8,14 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from pydantic import SecretStr
+from redis.asyncio.connection import Connection
 from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import DataError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import KeyStoreUnavailableError
-from gateway.redis_client import RedisCalls, close_redis, connect_redis, ping_redis
+from gateway.redis_client import RedisCalls, close_redis, connect_redis, pack_command, ping_redis
 from gateway.settings import RedisSettings, Settings
 
 pytestmark = pytest.mark.timeout(10)
@@ -125,3 +126,21 @@ async def test_no_master_known_is_a_503() -> None:
         assert await ping_redis(Settings(redis_url=SecretStr("redis+sentinel://127.0.0.1:1/mymaster"))) is not None
     finally:
         await close_redis(client)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("EVALSHA", "0" * 40, 2, "nemotron:rl:{alice}:r", b"raw\r\nbytes", 0, -17, 2**53, 1.5, "", "é"),
+        ("EVALSHA", "f" * 40, 0),
+    ],
+)
+def test_a_packed_script_call_is_the_bytes_redis_py_sends(args: tuple[object, ...]) -> None:
+    connection = Connection()
+    assert pack_command(*args) == b"".join(connection.pack_command(*args))  # type: ignore[arg-type]  # the values above
+
+
+@pytest.mark.parametrize("value", [True, None, object()])
+def test_what_redis_py_refuses_to_encode_is_refused(value: object) -> None:
+    with pytest.raises(DataError):
+        pack_command("EVALSHA", "0" * 40, 0, value)
