@@ -1,4 +1,4 @@
-"""One model preset checked through a running gateway (the `presets` step of loadtest/gpu/run, issue 8).
+"""One model preset checked through a running gateway (the `presets` step of loadtest/gpu/run).
 
 Random weights say nothing about answers, so this checks what a preset promises: the stack started, a streamed
 answer arrives through the gateway ending in [DONE], the client's reasoning switch reaches the prompt vLLM renders

@@ -30,7 +30,7 @@ from loadtest.gpu import bench
 from loadtest.processes import cpu_seconds
 
 _ROLES = ("gateway", "vllm-api", "engine-core")
-# Issue 11's goals on the GPU: through the gateway at least this share of direct output tokens/s at every
+# The GPU proof's goals: through the gateway at least this share of direct output tokens/s at every
 # concurrency, with no errors, and at most this much added TTFT p50 at concurrency 1.
 GOAL_TOKENS_SHARE = 0.99
 GOAL_ADDED_TTFT_C1_MS = 1.0

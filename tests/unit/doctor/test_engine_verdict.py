@@ -53,7 +53,7 @@ def model_rows(tmp_path: Path, model: Path, max_model_len: int, *, vllm: bool = 
 
 
 def test_a_tokenizer_model_max_length_does_not_cap_what_vllm_serves(tmp_path: Path) -> None:
-    # The Nemotron 3 Nano field report: tokenizer 4096, positions 262144, served at 262144 by vLLM.
+    # Nemotron 3 Nano as operators reported it: tokenizer 4096, positions 262144, served at 262144 by vLLM.
     model = demo_model(tmp_path / "m", {"max_position_embeddings": 262144}, {"model_max_length": 4096})
     row = model_rows(tmp_path, model, 262144)["context length"]
     assert row.status is Status.PASS, row
