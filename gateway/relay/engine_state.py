@@ -34,6 +34,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from gateway.engine.state import pid_alive
+
 # Why the engine is down, as a code (the verdict word's low byte) and, for /health, its status (the bits above).
 HEALTHY = 0
 NOT_PROBED = 1
@@ -204,7 +206,7 @@ class SharedEngineState:
         try:
             for slot in range(SLOTS):
                 pid = int(self._get("i", _SLOTS + 8 * slot))
-                if pid == 0 or not _alive(pid):
+                if pid == 0 or not pid_alive(pid):
                     self._put("i", _SLOTS + 8 * slot, os.getpid())
                     self._put("i", _SLOTS + 8 * slot + 4, 0)
                     return slot
@@ -224,18 +226,6 @@ class SharedEngineState:
             if pid == 0:
                 continue
             count = int(self._get("i", _SLOTS + 8 * slot + 4))
-            if count and _alive(pid):
+            if count and pid_alive(pid):
                 total += count
         return total
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
