@@ -77,7 +77,7 @@ def test_the_tables_judge_the_loaded_p99_against_the_unloaded_one() -> None:
         "gateway-loaded": {
             "interactive": {"completed": 320, "failed": 0, "ttft_p50_ms": 30.0, "ttft_p99_ms": 70.0},
             "engine_queue": {"running_median": 256, "waiting_median": 256, "waiting_max": 300},
-            "batch": {"output_tokens_per_s": 15000.0},
+            "batch": {"output_tokens_per_s": 15000.0, "completed": 1200, "failed": 800},
         },
         "overload-gateway": {
             "rate": 450.0, "completed": 3000, "failed": 6000, "good_requests": 2900, "request_goodput": 145.0,
@@ -87,6 +87,7 @@ def test_the_tables_judge_the_loaded_p99_against_the_unloaded_one() -> None:
         },
     }  # fmt: skip
     table = priority.markdown(phases, ["a note"])
-    assert "| gateway-loaded | 320/0 | 30.0 / 70.0 | 1.75x | 256 / 256, 300 | 15000.0 |" in table
+    # The batch column: its tokens/s, and what was served and refused (the reserve sheds batch requests).
+    assert "| gateway-loaded | 320/0 | 30.0 / 70.0 | 1.75x | 256 / 256, 300 | 15000.0 (1200 ok / 800 refused) |" in table
     assert "| overload-gateway | 450.0 | 3000 / 6000 | 2900 | 145.0 | 200.0 / 900.0 |" in table
     assert "60 of 100 probes refused" in table and "60 well-formed" in table and "- a note" in table
