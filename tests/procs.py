@@ -113,7 +113,20 @@ class ServerProcess(LoggedProcess):
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the ready URL answers `ready_status` (or `ready_check()` is true); raise if it exits."""
         within = self.start_timeout if timeout is None else timeout
-        self.wait_until_ready(self.ready_url, within, status=self.ready_status, check=self.ready_check)
+        check = self.ready_check
+        self.wait_until_ready(self.ready_url, within, status=self.ready_status, check=check and self._unrefused(check))
+
+    @staticmethod
+    def _unrefused(check: Callable[[], bool]) -> Callable[[], bool]:
+        """`check`, with a connection it could not make (the server not listening yet) read as not ready."""
+
+        def ready() -> bool:
+            try:
+                return check()
+            except httpx.TransportError:
+                return False
+
+        return ready
 
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGTERM the group, wait up to `timeout` (default `stop_timeout`), then SIGKILL it; the exit code."""
