@@ -18,11 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import demo_model
 from tests.engine import _vllm
 from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import running_up, up_settings
 from tests.procs import ServerProcess, free_port
+from tools import demo_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
