@@ -248,7 +248,9 @@ class EngineSupervisor:
                 if lost in done and not exited.done():
                     # vLLM itself ended (its reaper reports the code once the rest of the group is down, within the
                     # grace), or it may notice a lost helper and exit by itself: either way its exit code says more.
+                    # The status stops saying READY now, not after that wait.
                     vllm = lost.result() == self.process.command_pid
+                    self._set_state(EngineState.UNHEALTHY, f"engine process {lost.result()} exited")
                     await asyncio.wait((exited,), timeout=_EXIT_GRACE + (self.settings.stop_grace if vllm else 0))
                 if exited.done():
                     # Any exit we did not ask for is a crash: vLLM exits 0 when its engine core dies.

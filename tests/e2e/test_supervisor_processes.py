@@ -54,3 +54,25 @@ def test_kill_9_of_one_engine_process_restarts_the_whole_engine(state_dir: Path)
     assert code == 0
     assert fake_shm_files() - before == set()
     assert _processes(state_dir) == []
+
+
+def test_the_status_stops_saying_ready_as_soon_as_vllm_dies(state_dir: Path) -> None:
+    # The helpers ignore SIGTERM, so the reaper takes the whole stop grace (8 s) to end the group after vLLM's
+    # stand-in dies; `engine status` must not say READY through that time.
+    port = free_port()
+    supervisor = start_supervisor(
+        state_dir, port, NEMOTRON_ENGINE__EXTRA_ARGS=THREE_PROCESSES, NEMOTRON_ENGINE__STOP_GRACE="8"
+    )
+    try:
+        wait_until(lambda: len(_helpers(state_dir)) == 2, timeout=10, message="the helpers are not watched")
+        assert status(state_dir)["state"] == "ready"
+        engine = int(str(status(state_dir)["engine_pid"]))
+        os.kill(engine, signal.SIGKILL)
+        wait_until(lambda: status(state_dir)["state"] != "ready", timeout=2, message="READY after vLLM died")
+        assert status(state_dir)["restarts"] == 0, "seen before the group is down, not only at the restart"
+        assert f"engine process {engine} exited" in str(status(state_dir)["reason"])
+        wait_until(lambda: status(state_dir).get("restarts") == 1, timeout=20, message=supervisor.log_text()[-3000:])
+        wait_until(lambda: status(state_dir).get("state") == "ready", timeout=20)
+    finally:
+        code = supervisor.stop()
+    assert code == 0

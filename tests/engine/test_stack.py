@@ -235,6 +235,8 @@ def test_killed_engine_gives_503s_then_is_restarted_and_serves(stack: Stack) -> 
         assert down.value.status_code == 503
         assert "retry-after" in down.value.response.headers
         wait_until(lambda: not group_members(guard), timeout=15, message="the killed engine's group lingered")
+        # The status file says READY until the supervisor has seen the exit: wait for the restart it records.
+        wait_until(lambda: stack.status()["restarts"] == 1, timeout=30, message="no restart recorded")
         wait_until(lambda: stack.status().get("state") == "ready", timeout=300, interval=1.0)
         assert stack.status()["restarts"] == 1
         wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 200, timeout=10)

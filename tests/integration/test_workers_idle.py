@@ -21,9 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 WORKERS = 8
 WINDOW = 20.0
-# The pool's share of one core over WINDOW: 8 workers used 1.1-1.4 % here before the idle work was cut, about
-# 0.3 % after (a noisy 2-core host: the reading is CPU time, not wall time, so load shifts it little).
-CPU_BOUND = 0.6
+# The pool's share of one core over WINDOW: 8 workers used 1.1-1.4 % here before the idle work was cut; 0.5 % over
+# 60 s after, the worker holding the probe turn a third of it (/health, a one-token generation probe and the
+# engine's /metrics every 2 s), 0.65-0.75 % in 20 s windows while the suite ran beside it. The reading is CPU
+# time in 10 ms clock ticks, so each of the 9 processes reads up to a tick (0.05 %) off in a 20 s window.
+CPU_BOUND = 1.0
 # Wake-ups of one worker per second: 14-17 before (uvicorn's ten ticks, two listeners, the monitor), 2-4 after.
 WAKEUP_BOUND = 6.0
 
