@@ -1,9 +1,10 @@
 """KeyAudit: the trail of changes to API keys (who, when, which key, the fields before and after) in Redis.
 
-Imports redis_client and auth.keys only. The trail is one Redis stream, trimmed to
-about `auth.audit_max_entries`, so it survives gateway restarts and stays bounded. An entry holds the key record's
-fields as `ApiKey` has them (whatever fields exist: limits, budgets, models, priority...), never the secret or its
-digest, which `ApiKey` does not carry.
+Imports redis_client, auth.keys and auth.record only. The trail is one Redis stream, trimmed to about
+`auth.audit_max_entries`, so it survives gateway restarts and stays bounded. The key store's scripts append to it in
+the same atomic step as the change (`auth.scripts`): an entry holds the record just before and just after, never
+the secret or its digest; read back, it shows the fields that changed as `ApiKey` has them (whatever fields exist:
+limits, budgets, models, priority...).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import orjson
 import redis.asyncio as redis_asyncio
 
 from gateway.auth.keys import ApiKey
+from gateway.auth.record import fields_to_key, text
 from gateway.redis_client import RedisCalls
 
 # The key store's hash tag: the trail lives in the key store's Redis Cluster slot.
@@ -91,23 +93,10 @@ class KeyAudit:
         self._max_entries = max_entries
         self.operator = operator or default_operator()
 
-    async def record(self, action: str, before: ApiKey | None, after: ApiKey | None) -> None:
-        """Append one change (`action`: create, set, rotate, revoke, ...) of a key."""
-        current = after or before
-        if current is None:
-            return
-        old, new = changes(before, after)
-        entry = {
-            "at": str(round(datetime.now(UTC).timestamp() * 1_000_000)),
-            "operator": self.operator,
-            "action": action,
-            "name": current.name,
-            "prefix": current.prefix,
-            "before": orjson.dumps(old).decode(),
-            "after": orjson.dumps(new).decode(),
-        }
-        stream, cap = AUDIT_STREAM, self._max_entries
-        await self._calls(lambda: self._redis.xadd(stream, entry, maxlen=cap, approximate=True))  # type: ignore[arg-type]
+    def script_args(self, action: str) -> list[str | int]:
+        """The last ARGV of a key store script that changes a record (`action`: create, set, rotate, revoke, ...):
+        the trail's cap, the operator and the action; the script appends the entry itself (`auth.scripts`)."""
+        return [self._max_entries, self.operator, action]
 
     async def read(self, name: str | None = None, limit: int = 100) -> list[AuditEntry]:
         """The newest `limit` entries (of key `name`, when given), oldest first."""
@@ -123,27 +112,34 @@ class KeyAudit:
                     entries.append(entry)
                     if len(entries) >= limit:
                         break
-            last = "(" + _text(batch[-1][0] or "")
+            last = "(" + text(batch[-1][0] or "")
             if len(batch) < 500:
                 break
         return entries[::-1]
 
 
 def _entry(raw: Mapping[bytes | str, bytes | str]) -> AuditEntry:
-    fields = {_text(field): _text(value) for field, value in raw.items()}
+    fields = {text(field): text(value) for field, value in raw.items()}
+    if "before_record" in fields:
+        # The records as the change's script read them: the fields that changed are worked out here.
+        before, after = changes(_record(fields["before_record"]), _record(fields["after_record"]))
+    else:  # an entry from before the scripts wrote the trail: the changed fields themselves
+        before, after = orjson.loads(fields.get("before") or "{}"), orjson.loads(fields.get("after") or "{}")
     return AuditEntry(
         at=datetime.fromtimestamp(int(fields["at"]) / 1_000_000, UTC),
         operator=fields.get("operator", ""),
         action=fields.get("action", ""),
         name=fields.get("name", ""),
         prefix=fields.get("prefix", ""),
-        before=orjson.loads(fields.get("before") or "{}"),
-        after=orjson.loads(fields.get("after") or "{}"),
+        before=before,
+        after=after,
     )
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _record(encoded: str) -> ApiKey | None:
+    """A record as a script encoded it (Lua's cjson: a JSON object, `{}` for none)."""
+    fields = orjson.loads(encoded)
+    return fields_to_key(fields)[0] if isinstance(fields, dict) and fields else None
 
 
 def _plain(value: Any) -> Any:

@@ -1,6 +1,6 @@
 """KeyStore: API key records in Redis, a short in-process cache, and pub/sub invalidation across processes.
 
-Imports errors, settings, metrics, auth.keys, auth.audit, auth.scripts and redis_client, whose boundary
+Imports errors, settings, metrics, auth.keys, auth.record, auth.audit, auth.scripts and redis_client, whose boundary
 (`RedisCalls`) maps Redis failures to KeyStoreUnavailableError. Redis holds digests only; secrets are never
 stored, logged, or put in messages.
 """
@@ -11,7 +11,7 @@ import asyncio
 import builtins
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
@@ -20,7 +20,7 @@ import orjson
 import redis.asyncio as redis_asyncio
 
 from gateway.auth import scripts
-from gateway.auth.audit import KeyAudit
+from gateway.auth.audit import AUDIT_STREAM, KeyAudit
 from gateway.auth.keys import (
     INVALID_KEY_MESSAGE,
     ApiKey,
@@ -38,6 +38,7 @@ from gateway.auth.keys import (
     validate_name,
     validate_priority,
 )
+from gateway.auth.record import fields_to_key, key_to_fields, limit_fields, optional_int, pairs
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import DirectScript, PubSubListener, RedisCalls
@@ -77,7 +78,8 @@ class KeyStore:
         self._settings = settings.auth
         self._hasher = KeyHasher(settings.auth.secret)
         self._calls = RedisCalls(settings.redis, metrics)
-        # Every change below is recorded, with `operator` (default: the OS user), in the audit trail.
+        # Every change below is recorded, with `operator` (default: the OS user), in the audit trail by the change's
+        # own script.
         self.audit = KeyAudit(redis, self._calls, settings.auth.audit_max_entries, operator)
         # A revoked or changed key's per-key series stop being exported (the per-key series stay bounded).
         self._metrics = metrics
@@ -169,13 +171,14 @@ class KeyStore:
             models=validate_models(tuple(models) if models is not None else None),
             priority=validate_priority(priority),
         )
-        fields = _key_to_fields(key, digest)
+        fields, trail = key_to_fields(key, digest), self.audit.script_args("create")
         created = await self._calls(
-            lambda: self._create(keys=[_RECORD + name, _DIGEST + digest, _NAMES], args=[name, *fields])
+            lambda: self._create(
+                keys=[_RECORD + name, _DIGEST + digest, _NAMES, AUDIT_STREAM], args=[name, *fields, *trail]
+            )
         )
         if not created:
             raise KeyExistsError(f"An API key named '{name}' already exists.", param="name")
-        await self.audit.record("create", None, key)
         return key, secret
 
     async def get(self, name: str) -> ApiKey:
@@ -184,44 +187,39 @@ class KeyStore:
         raw = await self._calls(lambda: self._redis.hgetall(record))
         if not raw:
             raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
-        return _fields_to_key(raw)[0]
+        return fields_to_key(raw)[0]
 
     async def list(self) -> builtins.list[ApiKey]:
         """Every key (revoked ones too), sorted by name."""
         records = await self._calls(lambda: self._list(keys=[_NAMES], args=[_RECORD]))
-        keys = [_fields_to_key(_pairs(raw))[0] for raw in records if raw]
+        keys = [fields_to_key(pairs(raw))[0] for raw in records if raw]
         return sorted(keys, key=lambda key: key.name)
 
     async def revoke(self, name: str) -> None:
         """Revoke `name` for good: it stops working everywhere within a second; the record stays for audit."""
-        before = await self.get(name)
-        args = [_DIGEST, INVALIDATION_CHANNEL, name, repr(time.time())]
+        args = [_DIGEST, INVALIDATION_CHANNEL, name, repr(time.time()), *self.audit.script_args("revoke")]
         record = _RECORD + validate_name(name)
-        found = await self._calls(lambda: self._revoke(keys=[record], args=args))
+        found = await self._calls(lambda: self._revoke(keys=[record, AUDIT_STREAM], args=args))
         if not found:
             raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
-        await self.audit.record("revoke", before, await self.get(name))
 
     async def delete(self, name: str) -> None:
         """Delete `name`'s record (revoked or not): it stops working everywhere within a second and its name is free
         again; only the audit trail remembers it."""
-        before = await self.get(name)
-        args = [_DIGEST, INVALIDATION_CHANNEL, name]
-        found = await self._calls(lambda: self._delete(keys=[_RECORD + validate_name(name), _NAMES], args=args))
+        args = [_DIGEST, INVALIDATION_CHANNEL, name, *self.audit.script_args("delete")]
+        keys = [_RECORD + validate_name(name), _NAMES, AUDIT_STREAM]
+        found = await self._calls(lambda: self._delete(keys=keys, args=args))
         if not found:
             raise KeyNotFoundError(f"No API key is named '{name}'.", param="name")
-        await self.audit.record("delete", before, None)
 
     async def rotate(self, name: str) -> str:
         """A new secret for `name`, keeping its name, limits and usage; the old secret stops working."""
-        before = await self.get(name)
         secret = generate_secret()
         digest = self._hasher.digest(secret)
-        args = [_DIGEST, INVALIDATION_CHANNEL, name, digest, display_prefix(secret)]
-        keys = [_RECORD + validate_name(name), _DIGEST + digest]
+        args = [_DIGEST, INVALIDATION_CHANNEL, name, digest, display_prefix(secret), *self.audit.script_args("rotate")]
+        keys = [_RECORD + validate_name(name), _DIGEST + digest, AUDIT_STREAM]
         result = await self._calls(lambda: self._rotate(keys=keys, args=args))
         self._raise_for_update(name, result)
-        await self.audit.record("rotate", before, await self.get(name))
         return secret
 
     async def set_limits(
@@ -235,7 +233,7 @@ class KeyStore:
         """Replace the key's limits (when given) and allowed models (when given; `all_models` lifts the list)."""
         fields: builtins.list[str] = []
         if limits is not None:
-            fields += _limit_fields(limits)
+            fields += limit_fields(limits)
         if all_models:
             fields += ["models", ""]
         elif models is not None:
@@ -244,7 +242,7 @@ class KeyStore:
 
     async def set_priority(self, name: str, priority: int | None) -> ApiKey:
         """Change the key's scheduling priority (None: the server default)."""
-        return await self._apply(name, ["priority", _optional_int(validate_priority(priority))])
+        return await self._apply(name, ["priority", optional_int(validate_priority(priority))])
 
     async def set_disabled(self, name: str, disabled: bool) -> ApiKey:
         """Disable (or enable again) a key without revoking it."""
@@ -305,7 +303,7 @@ class KeyStore:
         if not raw:
             self._cache.pop(digest, None)
             raise AuthenticationError(INVALID_KEY_MESSAGE, cause="unknown")
-        key, stored = _fields_to_key(_pairs(raw))
+        key, stored = fields_to_key(pairs(raw))
         if not KeyHasher.matches(stored, digest):
             raise AuthenticationError(INVALID_KEY_MESSAGE, cause="unknown")
         if generation == self._generation:
@@ -330,13 +328,11 @@ class KeyStore:
 
     async def _apply(self, name: str, fields: builtins.list[str], action: str = "set") -> ApiKey:
         """Change `fields` of the record and record `action` with the fields before and after in the audit trail."""
-        before = await self.get(name)
-        record = _RECORD + validate_name(name)
-        result = await self._calls(lambda: self._update(keys=[record], args=[INVALIDATION_CHANNEL, name, *fields]))
+        keys = [_RECORD + validate_name(name), AUDIT_STREAM]
+        args = [INVALIDATION_CHANNEL, name, *fields, *self.audit.script_args(action)]
+        result = await self._calls(lambda: self._update(keys=keys, args=args))
         self._raise_for_update(name, result)
-        after = await self.get(name)
-        await self.audit.record(action, before, after)
-        return after
+        return await self.get(name)
 
     @staticmethod
     def _raise_for_update(name: str, result: int) -> None:
@@ -351,83 +347,3 @@ class KeyStore:
     def _flush(self) -> None:
         # Invalidations may have been missed (subscribing, lost, reconnected): the cache cannot be trusted.
         self.invalidate(_FLUSH_ALL)
-
-
-def _limit_fields(limits: KeyLimits) -> list[str]:
-    return [
-        "rpm",
-        _optional_int(limits.requests_per_minute),
-        "tpm",
-        _optional_int(limits.tokens_per_minute),
-        "concurrency",
-        _optional_int(limits.max_concurrency),
-        "daily_tokens",
-        _optional_int(limits.daily_tokens),
-        "monthly_tokens",
-        _optional_int(limits.monthly_tokens),
-    ]
-
-
-def _optional_int(value: int | None) -> str:
-    return "" if value is None else str(value)
-
-
-def _key_to_fields(key: ApiKey, digest: str) -> list[str]:
-    return [
-        "v",
-        "1",
-        "name",
-        key.name,
-        "digest",
-        digest,
-        "prefix",
-        key.prefix,
-        "created_at",
-        repr(key.created_at.timestamp()),
-        "expires_at",
-        "" if key.expires_at is None else repr(key.expires_at.timestamp()),
-        "disabled",
-        "1" if key.disabled else "0",
-        "revoked",
-        "0",
-        *_limit_fields(key.limits),
-        "models",
-        "" if key.models is None else orjson.dumps(key.models).decode(),
-        "priority",
-        _optional_int(key.priority),
-    ]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _pairs(flat: Sequence[bytes | str]) -> dict[bytes | str, bytes | str]:
-    return dict(zip(flat[::2], flat[1::2], strict=True))
-
-
-def _fields_to_key(raw: Mapping[bytes | str, bytes | str]) -> tuple[ApiKey, str]:
-    fields = {_text(field): _text(value) for field, value in raw.items()}
-    models = orjson.loads(fields["models"]) if fields.get("models") else None
-    key = ApiKey(
-        name=fields["name"],
-        prefix=fields.get("prefix", ""),
-        created_at=datetime.fromtimestamp(float(fields["created_at"]), UTC),
-        expires_at=datetime.fromtimestamp(float(fields["expires_at"]), UTC) if fields.get("expires_at") else None,
-        disabled=fields.get("disabled") == "1",
-        revoked=fields.get("revoked") == "1",
-        limits=KeyLimits(
-            requests_per_minute=_parse_optional_int(fields.get("rpm")),
-            tokens_per_minute=_parse_optional_int(fields.get("tpm")),
-            max_concurrency=_parse_optional_int(fields.get("concurrency")),
-            daily_tokens=_parse_optional_int(fields.get("daily_tokens")),
-            monthly_tokens=_parse_optional_int(fields.get("monthly_tokens")),
-        ),
-        models=tuple(models) if models is not None else None,
-        priority=_parse_optional_int(fields.get("priority")),
-    )
-    return key, fields.get("digest", "")
-
-
-def _parse_optional_int(value: str | None) -> int | None:
-    return int(value) if value else None

@@ -254,6 +254,77 @@ async def test_every_change_to_a_key_is_audited_with_the_fields_before_and_after
         assert leaked not in raw
 
 
+async def test_a_change_is_in_the_trail_even_when_its_cli_dies_right_after_it(
+    processes: Processes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = processes.store(operator="alice")
+    await store.create("crashy", KeyLimits(requests_per_minute=5))
+    real_get = store.get
+
+    async def dies_once_changed(name: str) -> ApiKey:
+        key = await real_get(name)
+        if key.limits.requests_per_minute == 7:
+            raise RuntimeError("the CLI was killed")
+        return key
+
+    monkeypatch.setattr(store, "get", dies_once_changed)
+    with pytest.raises(RuntimeError, match="killed"):
+        await store.set_limits("crashy", KeyLimits(requests_per_minute=7))
+    newest = (await processes.store().audit.read("crashy"))[-1]
+    assert (newest.action, newest.before, newest.after) == (
+        "set",
+        {"limits.requests_per_minute": 5},
+        {"limits.requests_per_minute": 7},
+    )
+
+
+async def test_each_entry_holds_only_its_own_change_when_operators_change_a_key_at_once(
+    processes: Processes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alice, bob = processes.store(operator="alice"), processes.store(operator="bob")
+    await alice.create("shared", KeyLimits(requests_per_minute=5))
+    real_get = alice.get
+    raced: list[bool] = []
+
+    async def bob_changes_it_meanwhile(name: str) -> ApiKey:
+        key = await real_get(name)
+        if not raced:  # Bob's change lands between whatever Alice read and her own change
+            raced.append(True)
+            await bob.set_priority("shared", 3)
+        return key
+
+    monkeypatch.setattr(alice, "get", bob_changes_it_meanwhile)
+    await alice.set_limits("shared", KeyLimits(requests_per_minute=9))
+    entries = {entry.operator: entry for entry in (await processes.store().audit.read("shared"))[1:]}
+    assert (entries["alice"].before, entries["alice"].after) == (
+        {"limits.requests_per_minute": 5},
+        {"limits.requests_per_minute": 9},
+    ), "Bob's priority is not Alice's change"
+    assert (entries["bob"].before, entries["bob"].after) == ({"priority": None}, {"priority": 3})
+
+
+async def test_entries_written_before_the_scripts_kept_the_trail_still_read(processes: Processes) -> None:
+    store = processes.store()
+    client = processes._clients[-1]
+    fields = {
+        "at": "1764547200000000",
+        "operator": "carol",
+        "action": "set",
+        "name": "older",
+        "prefix": "sk-abc123",
+        "before": '{"limits.requests_per_minute": 1}',
+        "after": '{"limits.requests_per_minute": 2}',
+    }
+    await client.xadd("nemotron:{keys}:audit", fields)  # type: ignore[arg-type]
+    (entry,) = await store.audit.read("older")
+    assert (entry.operator, entry.before, entry.after) == (
+        "carol",
+        {"limits.requests_per_minute": 1},
+        {"limits.requests_per_minute": 2},
+    )
+    assert entry.at.isoformat() == "2025-12-01T00:00:00+00:00"
+
+
 async def test_the_audit_trail_is_capped(redis_clean: str) -> None:
     settings = Settings(redis_url=SecretStr(redis_clean), auth=AuthSettings(audit_max_entries=100))
     client = connect_redis(settings)
