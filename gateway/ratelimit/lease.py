@@ -42,13 +42,16 @@ class RequestLease:
         """The key's `x-ratelimit-*` and `x-budget-*` headers for the answer (none before `acquire`)."""
         return self._held.headers if self._held is not None else {}
 
-    async def release(self, used_tokens: int | None, record: RequestRecord | None = None) -> None:
+    async def release(
+        self, used_tokens: int | None, record: RequestRecord | None = None, *, served: bool = True
+    ) -> None:
         """Reconcile the charge with `used_tokens` (None keeps the estimate, 0 refunds it), free the slot and record
-        the usage, by API, with the token detail the engine reported on `record`. Nothing before `acquire`;
-        idempotent; never raises for Redis."""
+        the usage, by API, with the token detail the engine reported on `record`; a request not `served` (it never
+        reached the engine) is given back to the requests/min limit too and is not in the usage. Nothing before
+        `acquire`; idempotent; never raises for Redis."""
         if self._held is None:
             return
         detail = None
         if record is not None:
             detail = TokenDetail(record.prompt_tokens, record.completion_tokens, record.reasoning_tokens)
-        await self._limiter.release(self._held, used_tokens, detail)
+        await self._limiter.release(self._held, used_tokens, detail, served=served)

@@ -118,8 +118,11 @@ class RateLimiter(Protocol):
         a spent token budget is QuotaExceededError (429 `insufficient_quota`, Retry-After to the window's end)."""
         ...
 
-    async def release(self, lease: Lease, used_tokens: int | None = None, detail: TokenDetail | None = None) -> None:
-        """Reconcile tokens (None keeps the estimate), free the slot and record usage; safe in `finally`."""
+    async def release(
+        self, lease: Lease, used_tokens: int | None = None, detail: TokenDetail | None = None, *, served: bool = True
+    ) -> None:
+        """Reconcile tokens (None keeps the estimate), free the slot and record usage; safe in `finally`. A request
+        not `served` (it never reached the engine) costs the key nothing: its request is given back as well."""
         ...
 
 

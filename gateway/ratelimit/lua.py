@@ -92,25 +92,29 @@ return {refused, retry, req, tok, day, month}
 """
 )
 
-# KEYS: tokens bucket, leases, usage of the day (HASH), last used (ms), release marker of this lease, its admission
-# marker, tokens used in the budget's day and month of the lease. ARGV: window ms, tpm, used - estimated tokens,
-# lease id, used tokens, retention seconds, requests served (0|1), marker ttl ms, admission unconfirmed (0|1), used -
-# tokens charged to the budget up front, ms until the budget's day and month end (as at admission), the API (route
-# label), prompt, completion and reasoning tokens as the engine reported them (-1: not reported). Runs once per
-# lease: a second release of it (a retry after a lost reply) changes nothing, so neither a bucket, a budget nor the
-# usage is charged twice. The release of an admission the gateway never saw answered refunds its charge (buckets and
-# budgets) only if the admission ran (its marker is there; a lapsed marker keeps the charge, erring against the key).
+# KEYS: requests bucket, tokens bucket, leases, usage of the day (HASH), last used (ms), release marker of this
+# lease, its admission marker, tokens used in the budget's day and month of the lease. ARGV: window ms, tpm, used -
+# estimated tokens, lease id, used tokens, retention seconds, requests served (0|1), marker ttl ms, admission
+# unconfirmed (0|1), used - tokens charged to the budget up front, ms until the budget's day and month end (as at
+# admission), the API (route label), prompt, completion and reasoning tokens as the engine reported them (-1: not
+# reported), rpm. Runs once per lease: a second release of it (a retry after a lost reply) changes nothing, so
+# neither a bucket, a budget nor the usage is charged twice. A request not served (it never reached the engine:
+# refused by the engine's admission, the engine down) gives its request back to the requests bucket and is not in
+# the usage. The release of an admission the gateway never saw answered refunds its charge (buckets and budgets)
+# only if the admission ran (its marker is there; a lapsed marker keeps the charge, erring against the key).
 RELEASE = (
     BUCKET
     + """
-if not redis.call('SET', KEYS[5], '1', 'NX', 'PX', ARGV[8]) then return 0 end
-local tpm, diff = tonumber(ARGV[2]), tonumber(ARGV[3])
+if not redis.call('SET', KEYS[6], '1', 'NX', 'PX', ARGV[8]) then return 0 end
+local tpm, diff, rpm = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[17])
 local budget = tonumber(ARGV[10])
-if ARGV[9] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then diff = 0; budget = 0 end
-if tpm > 0 and diff ~= 0 then store(KEYS[1], math.max(0, level(KEYS[1], tpm) + diff * window), tpm) end
-redis.call('ZREM', KEYS[2], ARGV[4])
+local ran = ARGV[9] ~= '1' or redis.call('EXISTS', KEYS[7]) == 1
+if not ran then diff = 0; budget = 0 end
+if tpm > 0 and diff ~= 0 then store(KEYS[2], math.max(0, level(KEYS[2], tpm) + diff * window), tpm) end
+if ARGV[7] == '0' and ran and rpm > 0 then store(KEYS[1], math.max(0, level(KEYS[1], rpm) - window), rpm) end
+redis.call('ZREM', KEYS[3], ARGV[4])
 if budget ~= 0 then
-  for i, counter in ipairs({KEYS[7], KEYS[8]}) do
+  for i, counter in ipairs({KEYS[8], KEYS[9]}) do
     if budget > 0 or redis.call('EXISTS', counter) == 1 then
       if redis.call('INCRBY', counter, budget) <= 0 then
         redis.call('DEL', counter)
@@ -122,16 +126,16 @@ if budget ~= 0 then
 end
 if ARGV[7] == '1' then
   local api = ARGV[13]
-  redis.call('HINCRBY', KEYS[3], 'requests', 1)
-  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
-  redis.call('HINCRBY', KEYS[3], api .. ':requests', 1)
-  redis.call('HINCRBY', KEYS[3], api .. ':tokens', ARGV[5])
+  redis.call('HINCRBY', KEYS[4], 'requests', 1)
+  redis.call('HINCRBY', KEYS[4], 'tokens', ARGV[5])
+  redis.call('HINCRBY', KEYS[4], api .. ':requests', 1)
+  redis.call('HINCRBY', KEYS[4], api .. ':tokens', ARGV[5])
   for i, kind in ipairs({'prompt_tokens', 'completion_tokens', 'reasoning_tokens'}) do
     local count = tonumber(ARGV[13 + i])
-    if count > 0 then redis.call('HINCRBY', KEYS[3], api .. ':' .. kind, count) end
+    if count > 0 then redis.call('HINCRBY', KEYS[4], api .. ':' .. kind, count) end
   end
-  redis.call('EXPIRE', KEYS[3], ARGV[6])
-  redis.call('SET', KEYS[4], string.format('%.0f', now), 'EX', ARGV[6])
+  redis.call('EXPIRE', KEYS[4], ARGV[6])
+  redis.call('SET', KEYS[5], string.format('%.0f', now), 'EX', ARGV[6])
 end
 return 1
 """

@@ -301,9 +301,12 @@ class RedisRateLimiter:
                 self._metrics.set_key_budget(key.name, limits.daily_tokens, limits.monthly_tokens, day_used, month_used)
         return lease
 
-    async def release(self, lease: Lease, used_tokens: int | None = None, detail: TokenDetail | None = None) -> None:
-        """Reconcile, free the slot and record usage in one round trip. Idempotent, never raises for Redis,
-        and runs to completion even if the awaiting request is cancelled."""
+    async def release(
+        self, lease: Lease, used_tokens: int | None = None, detail: TokenDetail | None = None, *, served: bool = True
+    ) -> None:
+        """Reconcile, free the slot and record usage in one round trip (not `served`: the request is given back to
+        the requests/min bucket and left out of the usage). Idempotent, never raises for Redis, and runs to
+        completion even if the awaiting request is cancelled."""
         if lease.released:
             return
         lease.released = True
@@ -313,7 +316,7 @@ class RedisRateLimiter:
             del self._refusals[lease.key_name]  # a slot of this key frees now
         if lease.degraded:
             return
-        await asyncio.shield(self._spawn(self._finish(lease, used_tokens, detail=detail)))
+        await asyncio.shield(self._spawn(self._finish(lease, used_tokens, served=served, detail=detail)))
 
     async def usage(self, names: Sequence[str], day: date | None = None) -> dict[str, Usage]:
         """Requests and tokens of each key on `day` (UTC, default today) and when each was last used."""
@@ -513,7 +516,7 @@ class RedisRateLimiter:
         windows = lease.windows or self.budget_windows()
         detail = detail or TokenDetail()
         keys = [
-            *_bucket_keys(lease.key_name)[1:],
+            *_bucket_keys(lease.key_name),
             _usage_day_key(lease.key_name, today),
             _usage_last_key(lease.key_name),
             _marker_key(lease.key_name, "released", lease.lease_id),
@@ -535,6 +538,7 @@ class RedisRateLimiter:
             windows.month_left_ms,
             lease.api,
             *(-1 if count is None else count for count in (detail.prompt, detail.completion, detail.reasoning)),
+            lease.limits.requests_per_minute,
         ]
         return keys, args
 

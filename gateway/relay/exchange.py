@@ -94,8 +94,11 @@ class BufferedAnswer:
 class HeldLease(Protocol):
     """The request's rate-limit lease as the exchange sees it (`ratelimit.RequestLease`): released when it ends."""
 
-    async def release(self, used_tokens: int | None, record: RequestRecord | None = None) -> None:
-        """Reconcile with `used_tokens` (None keeps the estimate, 0 refunds), with the detail on `record`."""
+    async def release(
+        self, used_tokens: int | None, record: RequestRecord | None = None, *, served: bool = True
+    ) -> None:
+        """Reconcile with `used_tokens` (None keeps the estimate, 0 refunds), with the detail on `record`; not
+        `served`: the request never reached the engine and costs the key nothing."""
         ...
 
 
@@ -137,7 +140,8 @@ class Settlement:
             sent = record.engine_request_id is not None
             if used is None and (not sent or (kind is not None and not kind.engine_worked)):
                 used = 0
-            await self._lease.release(used, record)
+            # Not sent, or refused at the engine's door (nothing listened): the engine never saw it.
+            await self._lease.release(used, record, served=sent and kind is not EngineErrorKind.REFUSED)
         if self._after is not None:
             await self._after()
 

@@ -109,7 +109,7 @@ async def _admit(
         await services.admission.admit(priority)
     except GatewayError:
         if lease is not None:
-            await lease.release(0)
+            await lease.release(0, served=False)  # refused before the engine: the key's request is given back
         raise
     scheduling = services.monitor.priority_scheduling
     services.admission.count_sent(priority, sent=scheduling)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import pytest
 
 from tests.e2e.supervised import engine_env, status, up_process
 from tests.faults.conftest import GATEWAY_ENV, create_key
-from tests.procs import free_port
+from tests.procs import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,9 +46,16 @@ def stack(tmp_path: Path, redis_url: str, engine_args: list[str], **env: str) ->
         yield f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{engine_port}"
 
 
-def key(redis_url: str, *flags: str) -> dict[str, str]:
-    secret = create_key(redis_url, f"prio-{uuid.uuid4().hex[:8]}", 100, *flags)
+def key(redis_url: str, *flags: str, name: str | None = None) -> dict[str, str]:
+    secret = create_key(redis_url, name or f"prio-{uuid.uuid4().hex[:8]}", 100, *flags)
     return {"Authorization": f"Bearer {secret}"}
+
+
+def requests_used(redis_url: str, name: str) -> int:
+    """The key's requests today as `nemotron-gateway keys usage NAME --json` reports them (billing's view)."""
+    argv = [sys.executable, "-m", "gateway", "keys", "usage", name, "--json", "--redis-url", redis_url]
+    done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True)
+    return sum(int(row["requests"]) for row in json.loads(done.stdout))
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -126,11 +135,15 @@ def test_admission_refuses_lowest_priority_first_exactly_across_two_workers(tmp_
         "NEMOTRON_ADMISSION__SHARES": "[1.0, 0.25]",
     }
     with stack(tmp_path, redis_url, ["--max-num-seqs", "1"], **env) as (gateway_url, engine_url):
-        interactive, batch = key(redis_url, "--priority", "0"), key(redis_url, "--priority", "1")
+        batch_name = f"prio-{uuid.uuid4().hex[:8]}"
+        interactive = key(redis_url, "--priority", "0")
+        batch = key(redis_url, "--priority", "1", name=batch_name)
         slow = {"fake_prefill_delay": 1.5}
         batch_answers = asyncio.run(_burst(gateway_url, batch, 6, **slow))
         refused = [r for r in batch_answers if r.status_code == 429]
         assert refused, [r.status_code for r in batch_answers]
+        # A request refused before the engine is no request of the key (nor of its requests/min): not in its usage.
+        assert requests_used(redis_url, batch_name) == 6 - len(refused)
         error = refused[0].json()["error"]
         assert (error["type"], error["code"]) == ("rate_limit_error", "engine_queue_full")
         assert 1 <= int(refused[0].headers["Retry-After"]) <= 30

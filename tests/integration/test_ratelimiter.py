@@ -170,6 +170,23 @@ async def test_tokens_admit_exactly_the_limit_and_refund(processes: Processes) -
     assert debt.retry_after == pytest.approx(100 * 3.6, abs=0.05)
 
 
+async def test_a_request_that_never_reached_the_engine_costs_the_key_nothing(processes: Processes) -> None:
+    # Refused by the engine's admission, or the engine down: its request, its tokens and its usage are given back.
+    limiter = await processes.limiter()
+    key = _key(rpm=3, tpm=1000)
+    for _ in range(10):
+        await limiter.release(await limiter.acquire(key, 300), 0, served=False)
+    served = [await limiter.acquire(key, 300) for _ in range(3)]  # would be refused for rpm had those counted
+    assert served[-1].headers["x-ratelimit-remaining-requests"] == "0"
+    assert "requests per" in (await _refused(limiter, key)).message
+    for lease in served:
+        await limiter.release(lease, 100)
+    usage = (await limiter.usage([key.name]))[key.name]
+    assert (usage.requests, usage.tokens) == (3, 300)
+    await limiter.release(served[0], 0, served=False)  # a second release of a lease changes nothing
+    assert "requests per" in (await _refused(limiter, key)).message
+
+
 async def test_request_larger_than_the_token_limit(processes: Processes) -> None:
     limiter = await processes.limiter()
     error = await _refused(limiter, _key(tpm=1000), 1001)

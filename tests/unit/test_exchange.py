@@ -4,6 +4,7 @@ token charge kept or refunded as the engine may or may not have worked, a stuck 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +48,14 @@ class Rig:
     activity: EngineActivity
     metrics: GatewayMetrics
     settled: list[int | None] = field(default_factory=list)
+    served: list[bool] = field(default_factory=list)
     seen_ids: list[str] = field(default_factory=list)
 
-    async def release(self, used: int | None, record: RequestRecord | None = None) -> None:
-        """The rate-limit lease's release, as the exchange calls it: the tokens it settles with are recorded."""
+    async def release(self, used: int | None, record: RequestRecord | None = None, *, served: bool = True) -> None:
+        """The rate-limit lease's release, as the exchange calls it: the tokens it settles with are recorded, and
+        whether the engine saw the request."""
         self.settled.append(used)
+        self.served.append(served)
 
     async def forward(self, *, stream: bool = False, request_id: str = "client-id") -> Any:
         record = RequestRecord(request_id=request_id, started_at=0.0)
@@ -86,7 +90,16 @@ async def make_rig() -> AsyncIterator[Callable[..., Any]]:
     async def build(handler: Handler | None = None, **relay: Any) -> Rig:
         port = free_port()
         seen: list[str] = []
-        if handler is not None:
+        if handler is None:
+            # Bound, never listening: a connection is refused, and no other process can take the port meanwhile.
+            closed = socket.socket()
+            closed.bind(("127.0.0.1", port))
+
+            async def release_port() -> None:
+                closed.close()
+
+            cleanups.append(release_port)
+        else:
 
             async def recording(request: web.Request) -> Any:
                 seen.append(request.headers.get("X-Request-Id", ""))
@@ -123,7 +136,7 @@ async def test_answer_settles_with_the_reported_usage_and_counts_as_progress(mak
     answer = await rig.forward()
     assert isinstance(answer, BufferedAnswer) and answer.status == 200
     assert (b"x-ratelimit-limit-requests", b"10") in answer.headers
-    assert rig.settled == [7]
+    assert rig.settled == [7] and rig.served == [True]
     assert rig.errors() == {}
     assert rig.activity.last_progress > 0.0
     # The engine saw a request id of its own, derived from the client's.
@@ -135,6 +148,7 @@ async def test_refused_connection_refunds_counts_and_marks_down_with_one_message
     with pytest.raises(EngineRefusedError):
         await rig.forward()
     assert rig.settled == [0]
+    assert rig.served == [False], "the engine never saw it: the key's request is given back"
     assert rig.errors() == {"refused": 1.0}
     assert rig.monitor.ready_reason() == "connection refused"
     with pytest.raises(EngineUnavailableError) as caught:
@@ -182,6 +196,7 @@ async def test_error_answer_is_relayed_counted_and_refunded(make_rig: Any) -> No
         assert isinstance(answer, BufferedAnswer) and answer.status == 400
         assert orjson.loads(answer.body)["error"]["message"] == "too long"
         assert rig.settled == [0]
+        assert rig.served == [True], "the engine answered it: a request of the key"
         assert rig.errors() == {"error_status": 1.0}
 
 
