@@ -1,7 +1,7 @@
 """The key record as Redis holds it (one hash per key) and back: pure code, imports auth.keys only.
 
-The hash carries the digest of the secret (`digest`), never the secret; `fields_to_key` hands it back beside the
-record, and `DIGEST_FIELD` names it for whatever must leave it out (the audit trail).
+The hash carries the digest of the secret (`DIGEST_FIELD`), never the secret; `fields_to_key` hands it back beside
+the record (the key store's Lua scripts read the same field, and the audit trail's leave it out).
 """
 
 from __future__ import annotations
@@ -87,17 +87,17 @@ def fields_to_key(raw: Mapping[bytes | str, bytes | str]) -> tuple[ApiKey, str]:
         disabled=fields.get("disabled") == "1",
         revoked=fields.get("revoked") == "1",
         limits=KeyLimits(
-            requests_per_minute=_parseoptional_int(fields.get("rpm")),
-            tokens_per_minute=_parseoptional_int(fields.get("tpm")),
-            max_concurrency=_parseoptional_int(fields.get("concurrency")),
-            daily_tokens=_parseoptional_int(fields.get("daily_tokens")),
-            monthly_tokens=_parseoptional_int(fields.get("monthly_tokens")),
+            requests_per_minute=_parse_optional_int(fields.get("rpm")),
+            tokens_per_minute=_parse_optional_int(fields.get("tpm")),
+            max_concurrency=_parse_optional_int(fields.get("concurrency")),
+            daily_tokens=_parse_optional_int(fields.get("daily_tokens")),
+            monthly_tokens=_parse_optional_int(fields.get("monthly_tokens")),
         ),
         models=tuple(models) if models is not None else None,
-        priority=_parseoptional_int(fields.get("priority")),
+        priority=_parse_optional_int(fields.get("priority")),
     )
     return key, fields.get(DIGEST_FIELD, "")
 
 
-def _parseoptional_int(value: str | None) -> int | None:
+def _parse_optional_int(value: str | None) -> int | None:
     return int(value) if value else None
