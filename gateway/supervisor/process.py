@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 _SHM = "/dev/shm/"
 # Seconds the reaper gets to clean up after its command's group was SIGKILLed (scans of /proc: well under 1 s).
 _REAPER_CLEANUP = 5.0
+# Seconds the rest of the group's output gets to reach EOF once the reaper has exited.
+_OUTPUT_DRAIN = 2.0
 
 
 def group_members(pgid: int, *, exclude: int | None = None) -> list[int]:
@@ -229,6 +231,7 @@ class GuardedProcess:
         self._on_line = on_line
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._output: asyncio.ReadTransport | None = None
         self._command_pid: int | None = None
         self._shm_seen: set[int] = set()
         self.stopping = False
@@ -259,21 +262,32 @@ class GuardedProcess:
         return self.tail[-1] if self.tail else ""
 
     async def start(self) -> None:
-        """Spawn the reaper in a new session (its own process group) with a stdin pipe kept by us."""
-        reaper = [sys.executable, "-m", "gateway.supervisor.reaper", "--grace", str(self.grace), "--", *self.argv]
-        self._proc = await asyncio.create_subprocess_exec(
-            *reaper,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-        )
-        self._reader = asyncio.create_task(self._read_output(), name=f"output-{self._proc.pid}")
+        """Spawn the reaper in a new session (its own process group) with a stdin pipe kept by us.
 
-    async def _read_output(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        async for raw in self._proc.stdout:
+        The output pipe is ours, not the subprocess transport's: asyncio's `Process.wait()` also waits for every
+        pipe it made to close, and a process that leaves the group (a new session of its own) can keep one open
+        long after the engine has ended."""
+        reaper = [sys.executable, "-m", "gateway.supervisor.reaper", "--grace", str(self.grace), "--", *self.argv]
+        read_end, write_end = os.pipe()
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *reaper,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=write_end,
+                stderr=asyncio.subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        finally:
+            os.close(write_end)
+        output = asyncio.StreamReader()
+        self._output, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(output), os.fdopen(read_end, "rb", 0)
+        )
+        self._reader = asyncio.create_task(self._read_output(output), name=f"output-{self._proc.pid}")
+
+    async def _read_output(self, output: asyncio.StreamReader) -> None:
+        async for raw in output:
             line = raw.decode("utf-8", "replace").rstrip()
             self.tail.append(line)
             if self._on_line is not None:
@@ -284,8 +298,17 @@ class GuardedProcess:
         assert self._proc is not None
         code = await self._proc.wait()
         if self._reader is not None:
+            # The rest of the output, up to EOF. A process that left the group may hold the pipe open for good:
+            # the engine's end is reported without it.
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(self._reader, 2.0)
+                try:
+                    await asyncio.wait_for(self._reader, _OUTPUT_DRAIN)
+                except TimeoutError:
+                    logger.warning(
+                        "engine output still open %.0f s after its reaper ended; not read further", _OUTPUT_DRAIN
+                    )
+        if self._output is not None:
+            self._output.close()
         if code < 0 and self._shm_seen:
             # The reaper was killed with its group (`kill -9 -PGID`, the OOM killer): nobody removed the group's
             # /dev/shm files, so we do, once the group is gone (remove_files spares any a live process holds).

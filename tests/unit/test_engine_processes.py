@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
 
 from gateway.doctor.nvml import GpuProcess, GpuReadings
-from gateway.supervisor.process import MemberWatch
+from gateway.supervisor.process import GuardedProcess, MemberWatch
 from gateway.supervisor.supervisor import held_gpu_memory, wait_gpu_memory_released
 from tests.unit.doctor.samples import GiB, h200
 
@@ -67,3 +68,28 @@ def test_a_watched_process_that_is_not_our_child_reports_its_exit() -> None:
             watch.close()
 
     assert asyncio.run(kill_one()) == grandchild
+
+
+def test_a_process_that_left_the_group_holding_the_output_does_not_hang_the_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # vLLM's command exits, leaving a helper in a session of its own (out of the group its reaper tears down)
+    # that still holds the output pipe: the engine's end is reported, not held up until the helper ends.
+    script = "import subprocess; print(subprocess.Popen(['sleep', '60'], start_new_session=True).pid, flush=True)"
+    process = GuardedProcess([sys.executable, "-c", script], env=dict(os.environ), grace=1.0)
+
+    async def run() -> tuple[int, float]:
+        await process.start()
+        started = time.monotonic()
+        code = await asyncio.wait_for(process.wait(), 10)
+        return code, time.monotonic() - started
+
+    try:
+        code, took = asyncio.run(run())
+    finally:
+        helpers = [int(line) for line in process.tail if line.isdigit()]
+        for pid in helpers:
+            os.kill(pid, signal.SIGKILL)
+    assert helpers, list(process.tail)
+    assert code == 0 and took < 6, took
+    assert "engine output still open" in caplog.text
