@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -249,8 +250,7 @@ class GatewayMetrics:
 
     def _remove_budget(self, name: str, window: str) -> None:
         for gauge in (self.key_budget, self.key_budget_used):
-            with contextlib.suppress(KeyError):
-                gauge.remove(name, window)
+            _remove_series(gauge, name, window)
 
     def forget_key(self, name: str) -> None:
         """Stop exporting a key's series (revoked or changed; "*": every key), so per-key cardinality follows the
@@ -264,12 +264,21 @@ class GatewayMetrics:
             if children is None:
                 continue
             for status in children.requests:
-                self.key_requests.remove(key, str(status))
+                _remove_series(self.key_requests, key, str(status))
             for kind in ("prompt", "completion"):
-                self.key_tokens.remove(key, kind)
+                _remove_series(self.key_tokens, key, kind)
         for key in list(self._budget_children) if name == "*" else [name]:
             for window in self._budget_children.pop(key, {}):
                 self._remove_budget(key, window)
+
+
+def _remove_series(metric: Counter | Gauge, *labels: str) -> None:
+    """Stop exporting one labelled series of this process. With several workers prometheus-client warns on every
+    removal that it cannot take the series out of the shared files; `forgotten` drops those at the scrape, so the
+    warning (printed on every key change and at every shutdown) says nothing new."""
+    with warnings.catch_warnings(), contextlib.suppress(KeyError):
+        warnings.filterwarnings("ignore", "Removal of labels has not been implemented", UserWarning)
+        metric.remove(*labels)
 
 
 class _KeyChildren:

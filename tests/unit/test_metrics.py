@@ -62,6 +62,17 @@ def test_per_key_series_are_labelled_by_name_and_forgotten_on_revocation() -> No
     assert "key=" not in _text(metrics)
 
 
+def test_forgetting_keys_with_several_workers_warns_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Several workers (PROMETHEUS_MULTIPROC_DIR set): prometheus-client warns on each removal, which this suite
+    # turns into an error; the gateway drops the other workers' series at the scrape instead.
+    metrics = GatewayMetrics()
+    metrics.count_key("team-a", 200, 3, 4)
+    metrics.set_key_budget("team-a", 1000, 0, 10, 0)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    metrics.forget_key("*")
+    assert "team-a" not in _text(metrics)
+
+
 def test_per_key_labels_can_be_turned_off() -> None:
     metrics = GatewayMetrics(per_key=False)
     metrics.count_key("team-a", 200, 3, 4)
