@@ -278,6 +278,9 @@ class GuardedProcess:
                 env=self.env,
                 start_new_session=True,
             )
+        except BaseException:
+            os.close(read_end)  # no reaper: nothing will read it
+            raise
         finally:
             os.close(write_end)
         output = asyncio.StreamReader()
