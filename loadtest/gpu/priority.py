@@ -9,6 +9,8 @@ its key as OPENAI_API_KEY. Phases, in order, each written to priority.json / pri
    through the gateway with the batch key; once vLLM is saturated, the interactive load with its key. The
    gateway gives each request its key's priority, which the engine (`--scheduling-policy priority`) honours, and
    keeps NEMOTRON_ADMISSION__RESERVED_SEQS sequence slots for priority 0 (the batch beyond them is refused).
+   `gateway-loaded-rN`: the same through another gateway on the same engine that keeps N slots
+   (`--reserve-gateway N=URL`): the urgent key's TTFT against what the batch keeps, per reserve.
 3. `direct-loaded`: the same two loads straight to vLLM, no priority fields: every request priority 0, which
    vLLM's priority scheduler orders by arrival and preempts latest-first, i.e. FCFS, on the same engine (the
    only difference from phase 2 is what the gateway adds).
@@ -44,46 +46,72 @@ from loadtest.gpu import bench
 GOAL_LOADED_TTFT_P99_FACTOR = 2.0
 
 
-def engine_queue(direct: str) -> tuple[float, float]:
-    """(running, waiting) requests from vLLM's /metrics, summed over its label sets; (-1, -1) when unreadable."""
+_RUNNING, _WAITING, _GENERATED = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:generation_tokens_total",
+)
+
+
+def engine_gauges(direct: str) -> dict[str, float] | None:
+    """vLLM's running and waiting requests and its output tokens so far, from its /metrics, each summed over its
+    label sets; None when unreadable."""
     try:
         with urllib.request.urlopen(f"{direct}/metrics", timeout=5) as answer:
             text = answer.read().decode()
     except OSError:
-        return -1.0, -1.0
-    totals = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+        return None
+    totals = dict.fromkeys((_RUNNING, _WAITING, _GENERATED), 0.0)
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals["vllm:num_requests_running"], totals["vllm:num_requests_waiting"]
+    return totals
+
+
+def engine_queue(direct: str) -> tuple[float, float]:
+    """(running, waiting) requests from vLLM's /metrics, summed over its label sets; (-1, -1) when unreadable."""
+    gauges = engine_gauges(direct)
+    return (-1.0, -1.0) if gauges is None else (gauges[_RUNNING], gauges[_WAITING])
 
 
 class QueueSampler:
-    """vLLM's running/waiting counts every 0.5 s on a thread, between start() and stop()."""
+    """vLLM's running/waiting counts every 0.5 s on a thread, between start() and stop(), and its output tokens
+    per second over that time (what the batch kept while the interactive load was measured)."""
 
     def __init__(self, direct: str) -> None:
         self.direct, self._stop = direct, threading.Event()
         self.samples: list[tuple[float, float]] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._first: tuple[float, float] | None = None  # (monotonic time, output tokens so far) at start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             self.samples.append(engine_queue(self.direct))
 
+    def _generated(self) -> tuple[float, float] | None:
+        gauges = engine_gauges(self.direct)
+        return None if gauges is None else (time.monotonic(), gauges[_GENERATED])
+
     def start(self) -> QueueSampler:
+        self._first = self._generated()
         self._thread.start()
         return self
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
+        last = self._generated()
         running = [r for r, _ in self.samples if r >= 0]
         waiting = [w for _, w in self.samples if w >= 0]
+        tokens_per_s = -1.0
+        if self._first is not None and last is not None and last[0] > self._first[0]:
+            tokens_per_s = (last[1] - self._first[1]) / (last[0] - self._first[0])
         return {
             "running_median": statistics.median(running) if running else -1,
             "waiting_median": statistics.median(waiting) if waiting else -1,
             "waiting_max": max(waiting, default=-1),
+            "output_tokens_per_s": round(tokens_per_s, 1),
         }
 
 
@@ -232,15 +260,17 @@ def alone(step: Step) -> dict[str, Any]:
     return {"interactive": bench.finish([client], min(a.phase_timeout, step.left()))[0]}
 
 
-def loaded(step: Step, target: str) -> dict[str, Any]:
-    """The batch load, then (once vLLM queues) the interactive one; the batch is ended when it is measured."""
+def loaded(step: Step, name: str) -> dict[str, Any]:
+    """The batch load, then (once vLLM queues) the interactive one; the batch is ended when it is measured. `name`
+    is `direct-loaded` (straight to vLLM, no keys), `gateway-loaded` (--gateway) or `gateway-loaded-rN` (the
+    gateway given as --reserve-gateway N=URL)."""
     a = step.args
-    url = a.gateway if target == "gateway" else a.direct
-    keys = (a.batch_key, a.interactive_key) if target == "gateway" else (None, None)
-    batch = bench.start(step.load(url, "batch"), a.work, f"{target}-loaded-batch", keys[0])
+    url = a.direct if name == "direct-loaded" else loaded_gateways(a)[name]
+    keys = (None, None) if name == "direct-loaded" else (a.batch_key, a.interactive_key)
+    batch = bench.start(step.load(url, "batch"), a.work, f"{name}-batch", keys[0])
     saturated_after = wait_for(a.direct, "saturated", 60.0, a.capacity_concurrency)
     sampler = QueueSampler(a.direct).start()
-    interactive = bench.start(step.load(url, "interactive"), a.work, f"{target}-loaded-interactive", keys[1])
+    interactive = bench.start(step.load(url, "interactive"), a.work, f"{name}-interactive", keys[1])
     [measured] = bench.finish([interactive], min(a.phase_timeout, step.left()))
     queue = sampler.stop()
     batch_running_at_end = bench.running(batch)
@@ -254,6 +284,21 @@ def loaded(step: Step, target: str) -> dict[str, Any]:
         "saturated_after_s": saturated_after,
         "engine_queue": queue,
     }
+
+
+def loaded_gateways(args: argparse.Namespace) -> dict[str, str]:
+    """The loaded phases through a gateway, by name: `gateway-loaded` (--gateway), one `gateway-loaded-rN` per
+    --reserve-gateway N=URL (a gateway keeping N sequence slots for priority 0)."""
+    phases = {"gateway-loaded": args.gateway}
+    for given in args.reserve_gateway:
+        reserve, _, url = given.partition("=")
+        phases[f"gateway-loaded-r{reserve}"] = url
+    return phases
+
+
+def loaded_phases(args: argparse.Namespace) -> list[str]:
+    """Every loaded phase this run knows, in the order they run."""
+    return [*loaded_gateways(args), "direct-loaded"]
 
 
 def capacity(step: Step) -> dict[str, Any]:
@@ -295,9 +340,7 @@ def markdown(phases: dict[str, dict[str, Any]], notes: list[str]) -> str:
         "through the gateway) | vLLM running / waiting (median, max waiting) | batch tok/s (ok / refused) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for name in ("alone", "gateway-loaded", "direct-loaded"):
-        if name not in phases:
-            continue
+    for name in [n for n in phases if n == "alone" or n.startswith(("gateway-loaded", "direct-loaded"))]:
         phase, inter = phases[name], phases[name]["interactive"]
         p99 = inter.get("ttft_p99_ms")
         ratio = f"{p99 / alone_p99:.2f}x" if isinstance(p99, int | float) and alone_p99 else "-"
@@ -308,6 +351,11 @@ def markdown(phases: dict[str, dict[str, Any]], notes: list[str]) -> str:
         batch = phase.get("batch", {})
         tokens = batch.get("output_tokens_per_s")
         served = f"{_ms(tokens)} ({batch.get('completed')} ok / {batch.get('failed')} refused)" if tokens else "-"
+        # The batch's own count is lost when it is stopped mid-run: the engine's output tokens/s while the
+        # interactive load was measured, less the interactive load's own, is what the batch kept.
+        engine_tokens = (queue or {}).get("output_tokens_per_s", -1)
+        if not tokens and engine_tokens >= 0:
+            served = f"{_ms(engine_tokens - (inter.get('output_tokens_per_s') or 0.0))} (engine, less interactive)"
         lines.append(
             f"| {name} | {inter.get('completed')}/{inter.get('failed')} | {_ms(inter.get('ttft_p50_ms'))} / "
             f"{_ms(p99)} | {ratio} | {queued} | {served} |"
@@ -381,6 +429,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--ttft-target-ms", type=float, default=1000.0, help="the TTFT a request must meet to count as goodput")
     add("--probe-rate", type=float, default=5.0, help="shed probes per second during the gateway overload")
     add("--phases", default="alone,gateway-loaded,direct-loaded,overload")
+    add(
+        "--reserve-gateway",
+        action="append",
+        default=[],
+        metavar="N=URL",
+        help="a gateway keeping N sequence slots for priority 0: adds the phase gateway-loaded-rN (repeatable)",
+    )
     add("--phase-timeout", type=float, default=150.0)
     add("--deadline", type=float, default=0.0, help="seconds for the whole step (0: none)")
     add("--seed", type=int, default=5000)
@@ -388,15 +443,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--work", type=Path, default=Path("/tmp/gpu-priority"))
     args = parser.parse_args(argv)
     step = Step(args)
-    wanted = args.phases.split(",")
-    for name in ("alone", "gateway-loaded", "direct-loaded"):
+    # A gateway given with --reserve-gateway is measured whatever --phases says: that is what it was started for.
+    wanted = [*args.phases.split(","), *(name for name in loaded_gateways(args) if name != "gateway-loaded")]
+    for name in ["alone", *loaded_phases(args)]:
         if name not in wanted:
             continue
         if step.left() < 30:
             step.notes.append(f"time box: {name} and later phases not run")
             write(args.out, step.phases, step.notes)
             return 0
-        step.record(name, alone(step) if name == "alone" else loaded(step, name.split("-")[0]))
+        step.record(name, alone(step) if name == "alone" else loaded(step, name))
     if "overload" in wanted:
         if step.left() < 60:
             step.notes.append("time box: the overload phases not run")

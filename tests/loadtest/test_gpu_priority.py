@@ -3,8 +3,10 @@ well-formed only with its 429/503 status, OpenAI's error envelope and Retry-Afte
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -29,9 +31,16 @@ ANSWERS: dict[str, tuple[int, dict[str, str], bytes]] = {
 }
 
 
+# The engine's output tokens grow at this many per second from the server's start (a counter, as vLLM's).
+TOKENS_PER_S = 1000.0
+STARTED = time.monotonic()
+
+
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        self._answer(200, {}, METRICS.encode())
+        generated = TOKENS_PER_S * (time.monotonic() - STARTED)
+        counter = f'vllm:generation_tokens_total{{engine="0",model_name="nemotron"}} {generated}\n'
+        self._answer(200, {}, (METRICS + counter).encode())
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -64,6 +73,25 @@ def test_the_engine_queue_sums_vllms_gauges_over_engines(server: str) -> None:
     assert priority.engine_queue("http://127.0.0.1:9") == (-1.0, -1.0)
 
 
+def test_the_sampler_reads_the_engines_output_tokens_per_second_over_its_window(server: str) -> None:
+    sampler = priority.QueueSampler(server).start()
+    time.sleep(1.2)
+    queue = sampler.stop()
+    assert queue["running_median"] == 256 and queue["waiting_max"] == 300
+    assert 0.8 * TOKENS_PER_S < queue["output_tokens_per_s"] < 1.2 * TOKENS_PER_S
+    assert priority.QueueSampler("http://127.0.0.1:9").start().stop()["output_tokens_per_s"] == -1
+
+
+def test_each_reserve_gateway_is_a_loaded_phase_of_its_own() -> None:
+    args = argparse.Namespace(gateway="http://g:8000", reserve_gateway=["64=http://g:8010", "128=http://g:8011"])
+    assert priority.loaded_gateways(args) == {
+        "gateway-loaded": "http://g:8000",
+        "gateway-loaded-r64": "http://g:8010",
+        "gateway-loaded-r128": "http://g:8011",
+    }
+    assert priority.loaded_phases(args)[-1] == "direct-loaded"
+
+
 def test_a_shed_answer_is_well_formed_only_with_envelope_and_retry_after(server: str) -> None:
     shed = priority.probe_once(f"{server}/shed", "k", "nemotron")
     assert shed["status"] == 429 and shed["retry_after"] == "1" and shed["well_formed"] and shed["ms"] > 0
@@ -86,7 +114,17 @@ def test_the_tables_judge_the_loaded_p99_against_the_unloaded_one() -> None:
                            "shed_ms_p50": 1.2, "shed_ms_p99": 3.4, "shed_ms_max": 5.0},
         },
     }  # fmt: skip
+    phases["gateway-loaded-r64"] = {
+        "interactive": {"completed": 320, "failed": 0, "ttft_p50_ms": 22.0, "ttft_p99_ms": 50.0,
+                        "output_tokens_per_s": 100.0},
+        "engine_queue": {"running_median": 190, "waiting_median": 0, "waiting_max": 0, "output_tokens_per_s": 9100.0},
+        "batch": {"completed": None},
+    }  # fmt: skip
     table = priority.markdown(phases, ["a note"])
+    # A reserve's own row; the batch stopped mid-run has no count of its own: the engine's tokens less interactive.
+    assert (
+        "| gateway-loaded-r64 | 320/0 | 22.0 / 50.0 | 1.25x | 190 / 0, 0 | 9000.0 (engine, less interactive) |" in table
+    )
     # The batch column: its tokens/s, and what was served and refused (the reserve sheds batch requests).
     loaded = "| gateway-loaded | 320/0 | 30.0 / 70.0 | 1.75x | 256 / 256, 300 | 15000.0 (1200 ok / 800 refused) |"
     assert loaded in table
