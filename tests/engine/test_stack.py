@@ -1,11 +1,15 @@
 """The whole product on a real `vllm serve` (CPU build, tiny demo model): `nemotron-gateway up` spawns the
-engine through the supervisor, the gateway serves the OpenAI SDK, a killed engine is restarted, a stop leaves
-nothing behind. One engine start for the module (plus one restart).
+engine through the supervisor, the gateway serves the OpenAI SDK, a frozen engine core (SIGSTOP of the EngineCore
+process only: the API server keeps answering /health 200) is refused within the gateway's stated bound and then
+serves again, a killed engine is restarted, a stop leaves nothing behind. One engine start for the module (plus
+the restarts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -24,7 +28,8 @@ from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import gateway_cli, running_up, up_settings
 from tests.procs import ServerProcess, free_port, wait_until
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+logger = logging.getLogger(__name__)
 
 MODEL = "nemotron"
 # The engine's own key: the supervisor starts vLLM with it, the gateway and the supervisor's probe send it.
@@ -205,7 +210,9 @@ def test_client_disconnect_aborts_the_generation_in_vllm(stack: Stack) -> None:
         for index, _ in enumerate(stream):
             if index == 3:
                 break
-        assert stack.running_in_vllm() >= 1
+        # vLLM's gauge is set from the engine core's stats, which reach its API server a step or more behind the
+        # tokens (read once, it was 0 with three tokens already streamed): wait for it, the stream still open.
+        wait_until(lambda: stack.running_in_vllm() >= 1, timeout=5, message="vLLM never showed the request running")
         stream.close()
     wait_until(lambda: stack.running_in_vllm() == 0, timeout=5, message="vLLM kept generating for a gone client")
     aborted_before = stack.proc.log_text().count("aborted")
@@ -225,8 +232,89 @@ def _vllm_server_pid(guard_pid: int) -> int:
     return int(children[0])
 
 
+# The gateway's defaults (RelaySettings) with this stack's probe interval: idle bound =
+# generation_probe_timeout + 2 x probe_interval.
+IDLE_BOUND = 10.0 + 2 * 0.5
+SLACK = 20.0  # two cores shared by vLLM, the supervisor, the gateway and the test
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                    found += [int(child), *_descendants(int(child))]
+    return found
+
+
+def _engine_core_pid(root: int) -> int | None:
+    """vLLM's EngineCore process below `root`: its cmdline is its title (comm cuts it to "VLLM::EngineCor")."""
+    for pid in _descendants(root):
+        with contextlib.suppress(OSError):
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
+def _ready(running: Stack) -> int:
+    """The gateway's /ready status; 0 while it does not answer (`up` may be restarting it)."""
+    try:
+        return httpx.get(f"{running.gateway}/ready", timeout=10).status_code
+    except httpx.TransportError:
+        return 0
+
+
+def _wait_ready(running: Stack, status: int, within: float) -> None:
+    try:
+        wait_until(lambda: _ready(running) == status, timeout=within, interval=0.25)
+    except AssertionError:
+        try:
+            last = httpx.get(f"{running.gateway}/ready", timeout=10).text
+        except httpx.TransportError as exc:
+            last = repr(exc)
+        raise AssertionError(f"/ready not {status} within {within:g} s: {last}\n{running.proc.tail(80)}") from None
+
+
+def test_frozen_engine_core_is_refused_within_the_bound_then_recovers(stack: Stack) -> None:
+    _wait_ready(stack, 200, 120)
+    # Below `nemotron-gateway up`: the supervisor, vllm serve, its EngineCore.
+    core = wait_until(lambda: _engine_core_pid(stack.proc.pid), timeout=60, message="no EngineCore process")
+    os.kill(core, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        _wait_ready(stack, 503, IDLE_BOUND + SLACK)
+        took = time.monotonic() - frozen_at
+        reason = httpx.get(f"{stack.gateway}/ready", timeout=10).json()["engine"]["reason"]
+        # The gateway's own finding, or (if the supervisor's hang check came first) its restart of the engine.
+        assert reason in ("engine not generating", "connection refused")
+        try:
+            engine_health: int | str = httpx.get(f"{stack.engine}/health", timeout=10).status_code
+        except httpx.TransportError as exc:
+            engine_health = type(exc).__name__
+        with stack.sdk() as sdk, pytest.raises(openai.InternalServerError) as refused:
+            sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert refused.value.status_code == 503 and "retry-after" in refused.value.response.headers
+        logger.warning(
+            "frozen EngineCore refused after %.1f s (bound %g s, %s); vLLM /health: %s",
+            took,
+            IDLE_BOUND,
+            reason,
+            engine_health,
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGCONT)
+    # Recovered by SIGCONT, or by the supervisor's restart if it judged the engine hung meanwhile.
+    _wait_ready(stack, 200, 300)
+    with stack.sdk() as sdk:
+        answer = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert answer.choices[0].message.content is not None
+
+
 def test_killed_engine_gives_503s_then_is_restarted_and_serves(stack: Stack) -> None:
     guard = int(str(stack.status()["group_pid"]))
+    restarts = int(str(stack.status()["restarts"]))  # the frozen-core test may have seen one restart already
     os.kill(_vllm_server_pid(guard), signal.SIGKILL)
     wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 503, timeout=10)
     with stack.sdk() as sdk:
@@ -236,9 +324,9 @@ def test_killed_engine_gives_503s_then_is_restarted_and_serves(stack: Stack) -> 
         assert "retry-after" in down.value.response.headers
         wait_until(lambda: not group_members(guard), timeout=15, message="the killed engine's group lingered")
         # The status file says READY until the supervisor has seen the exit: wait for the restart it records.
-        wait_until(lambda: stack.status()["restarts"] == 1, timeout=30, message="no restart recorded")
+        wait_until(lambda: stack.status()["restarts"] == restarts + 1, timeout=30, message="no restart recorded")
         wait_until(lambda: stack.status().get("state") == "ready", timeout=300, interval=1.0)
-        assert stack.status()["restarts"] == 1
+        assert stack.status()["restarts"] == restarts + 1
         wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 200, timeout=10)
         answer = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert answer.choices[0].message.content is not None
