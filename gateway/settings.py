@@ -373,7 +373,9 @@ class EngineSettings(_Group):
         9101, ge=0, le=65535, description="Port on 127.0.0.1 for the supervisor's Prometheus metrics (0: off)."
     )
     log_lines: int = Field(200, ge=10, description="Engine output lines kept to show when start-up fails.")
-    run_doctor: bool = Field(True, description="Run the fatal preflight checks before spawning the engine.")
+    run_doctor: bool = Field(
+        True, description="Run the fatal preflight checks before spawning the engine (vLLM's verdict beside its start)."
+    )
     responses_store: bool = Field(
         False,
         description="Keep Responses API answers in the engine (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, which the "

@@ -25,6 +25,7 @@ from gateway.engine.presets import version_tuple
 from gateway.engine.profiles import ProfileError
 
 NOT_INSTALLED = "vLLM not installed here: checked by the gateway's own rules"
+VERDICT_LATER = "vLLM's verdict is asked beside the engine's start"
 # Importing vLLM's config code imports torch: ~15-25 s on a CPU machine, hence the cache.
 _TIMEOUT = 300.0
 _REASON_CHARS = 400

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, skipped, worst
 from gateway.doctor.engine_config import (
     NOT_INSTALLED,
+    VERDICT_LATER,
     EngineVerdict,
     ask_vllm,
     check_vllm_version,
@@ -102,6 +103,9 @@ class DoctorConfig:
     # The engine's interpreter, its argv without the launcher, and the variables its profile adds: the context
     # length and model config are then vLLM's own verdict. None: not asked (the gateway's own rules).
     engine_python: str | None = None
+    # False: run every check but vLLM's verdict (a second or two), and ask it with `vllm_verdict_checks` later:
+    # the supervisor asks beside the engine's start, as both import vLLM.
+    ask_vllm: bool = True
     engine_args: tuple[str, ...] = ()
     engine_env: Mapping[str, str] = field(default_factory=dict)
     verdict_cache: Path | None = None  # where vLLM's verdicts are kept (the state dir); None: not kept
@@ -260,6 +264,8 @@ def _vllm_verdict(
     """vLLM's verdict on the engine's argv, with what the doctor was told to check instead (its flags win)."""
     if config.engine_python is None:
         return NOT_INSTALLED
+    if not config.ask_vllm:
+        return VERDICT_LATER
     args = [*config.engine_args, "--model", str(path)]
     if tokenizer is not None:
         args += ["--tokenizer", str(tokenizer)]
@@ -270,6 +276,17 @@ def _vllm_verdict(
     directories = [path] if tokenizer is None else [path, tokenizer]
     engine_env = {**env, **config.engine_env}
     return ask_vllm(config.engine_python, args, engine_env, directories, config.verdict_cache)
+
+
+def vllm_verdict_checks(config: DoctorConfig) -> list[Check]:
+    """The rows vLLM's verdict decides (model config, context length), asked of the installed vLLM (seconds to a
+    minute: it imports vLLM); none without a verdict to ask (a custom launcher, no model, no model config)."""
+    if config.engine_python is None or config.model is None:
+        return []
+    env = config.environ if config.environ is not None else os.environ
+    decided = (rows.MODEL_CONFIG.name, rows.CONTEXT_LENGTH.name)
+    found = _model_checks(replace(config, ask_vllm=True), env)
+    return [check for check in found if check.name in decided]
 
 
 def run_checks(config: DoctorConfig) -> list[Check]:

@@ -22,11 +22,12 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from prometheus_client import start_http_server
 
-from gateway.doctor import doctor_config, fatal_failures, render_table, run_checks
+from gateway.doctor import Check, doctor_config, fatal_failures, render_table, run_checks, vllm_verdict_checks
 from gateway.engine.launch import ENGINE_KEY_VARIABLE, VllmNotInstalled, added_variables, prepare, unchecked_argv
 from gateway.engine.presets import load_presets
 from gateway.engine.profiles import Profile, ProfileError, load_profiles, option_names
@@ -192,9 +193,27 @@ def _unchecked_note(settings: Settings, argv: list[str], missing: VllmNotInstall
     )
 
 
-def _preflight(settings: Settings, profile: Profile) -> None:
-    """The doctor's checks; the fatal ones stop the start (the rest are logged)."""
-    checks = run_checks(doctor_config(settings, profile))
+def _preflight(settings: Settings, profile: Profile) -> Callable[[], str | None] | None:
+    """The doctor's checks but vLLM's verdict now: a fatal one stops the start (the rest are logged). Returns
+    the check that asks vLLM's verdict on the argv (an import of vLLM: 15-60 s), to run beside the engine's start
+    (which imports it too), or None without one; it answers why the start is refused, or None."""
+    config = doctor_config(settings, profile)
+    _judged(run_checks(replace(config, ask_vllm=False)))
+    if config.engine_python is None:
+        return None
+
+    def verdict() -> str | None:
+        try:
+            _judged(vllm_verdict_checks(config))
+        except ProfileError as refused:
+            return str(refused)
+        return None
+
+    return verdict
+
+
+def _judged(checks: list[Check]) -> None:
+    """Log the warnings among `checks`; raise ProfileError with the fatal ones."""
     for check in checks:
         if check.status in ("warn", "fail") and not check.blocks_start:
             logger.warning("preflight %s: %s (%s)", check.name, check.measured, check.fix)
@@ -204,8 +223,7 @@ def _preflight(settings: Settings, profile: Profile) -> None:
 
 def _build_supervisor(settings: Settings) -> EngineSupervisor:
     profile, argv, env = prepare(settings)
-    if settings.engine.run_doctor:
-        _preflight(settings, profile)
+    verdict = _preflight(settings, profile) if settings.engine.run_doctor else None
     status = EngineStatus(
         profile=profile.name,
         model=settings.engine.model or "",
@@ -216,7 +234,7 @@ def _build_supervisor(settings: Settings) -> EngineSupervisor:
         start_http_server(settings.engine.metrics_port, addr="127.0.0.1", registry=metrics.registry)
     logger.info("engine command: %s", " ".join(argv))
     write_running_env(settings)
-    return EngineSupervisor(settings.engine, argv, env, status=status, metrics=metrics)
+    return EngineSupervisor(settings.engine, argv, env, status=status, metrics=metrics, preflight=verdict)
 
 
 def run_engine(settings: Settings) -> int:

@@ -16,6 +16,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
@@ -87,7 +88,8 @@ async def wait_gpu_memory_released(
 
 
 class EngineSupervisor:
-    """Keeps one engine running; `run()` returns the process exit code (0 stopped, 1 failed)."""
+    """Keeps one engine running; `run()` returns the process exit code (0 stopped, 1 failed, 2 refused by the
+    preflight asked beside the first start)."""
 
     def __init__(
         self,
@@ -98,7 +100,12 @@ class EngineSupervisor:
         status: EngineStatus,
         metrics: SupervisorMetrics | None = None,
         on_line: Callable[[str], None] | None = None,
+        preflight: Callable[[], str | None] | None = None,
     ) -> None:
+        """`preflight`, when given, is a slow check (vLLM's verdict on the argv: an import of vLLM, as the
+        engine's own start is) run on a thread beside the first start; it answers why the start is refused, or
+        None. The engine is reported READY only once it has passed; a refusal stops the engine and ends `run()`
+        with 2 (FAILED, the refusal as the reason)."""
         self.settings = settings
         self.argv = argv
         self.env = dict(env)
@@ -115,6 +122,9 @@ class EngineSupervisor:
         self.process: GuardedProcess | None = None
         self._crashes: deque[float] = deque()
         self._kill_task: asyncio.Future[None] | None = None
+        self._preflight = preflight
+        self._verdict: asyncio.Future[str | None] | None = None
+        self.refused: str | None = None  # why the preflight refused the start
         self._health_url = f"http://127.0.0.1:{settings.port}/health"
         # vLLM leaves /tmp/vllm_dist_* and IPC sockets behind on every launch: give it a scratch TMPDIR
         # that is emptied before each start and after the stop.
@@ -160,7 +170,10 @@ class EngineSupervisor:
     # --- the loop -------------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Start, supervise and restart the engine until asked to stop or out of crash budget."""
+        """Start, supervise and restart the engine until asked to stop, out of crash budget, or refused by the
+        preflight."""
+        if self._preflight is not None:
+            self._verdict = self._ask_beside_start(self._preflight)
         async with httpx.AsyncClient(timeout=self.settings.probe_timeout) as client:
             while not self.should_exit.is_set():
                 ended = await self._run_once(client)
@@ -170,8 +183,50 @@ class EngineSupervisor:
                     return 1
         await self._stop()
         shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.refused is not None:
+            self._set_state(EngineState.FAILED, self.refused)
+            return 2
         self._set_state(EngineState.STOPPED)
         return 0
+
+    def _ask_beside_start(self, preflight: Callable[[], str | None]) -> asyncio.Future[str | None]:
+        """Run `preflight` on a daemon thread (a stop never waits for it: its vLLM import may take a minute);
+        a refusal stops the engine."""
+        loop = asyncio.get_running_loop()
+        verdict: asyncio.Future[str | None] = loop.create_future()
+
+        def answered(refused: str | None) -> None:
+            if verdict.done():
+                return
+            verdict.set_result(refused)
+            if refused is not None:
+                self.refused = refused
+                logger.error("nemotron-gateway: %s", refused)
+                self.handle_exit()
+
+        def ask() -> None:
+            try:
+                refused = preflight()
+            except Exception as exc:  # the check's own failure is not the engine's: logged, the start goes on
+                logger.warning("preflight: vLLM's verdict could not be asked (%s): the start goes on", exc)
+                refused = None
+            with contextlib.suppress(RuntimeError):  # the loop closed: the supervisor has ended already
+                loop.call_soon_threadsafe(answered, refused)
+
+        threading.Thread(target=ask, name="preflight-verdict", daemon=True).start()
+        return verdict
+
+    async def _passed_preflight(self) -> bool:
+        """Wait for the preflight asked beside the start (or a stop); whether the engine may be reported READY."""
+        if self._verdict is None or self._verdict.done():
+            return self.refused is None
+        logger.info("engine ready; waiting for vLLM's verdict on its configuration")
+        stop = asyncio.ensure_future(self.should_exit.wait())
+        try:
+            await asyncio.wait((self._verdict, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        return self.refused is None and not self.should_exit.is_set()
 
     async def _run_once(self, client: httpx.AsyncClient) -> RestartRecord | None:
         """One engine life: None when it ended because we stop, else why it ended."""
@@ -189,6 +244,8 @@ class EngineSupervisor:
         reason = await self._wait_ready(client)
         if reason is not None or self.should_exit.is_set():
             return reason
+        if not await self._passed_preflight():
+            return None
         self._set_state(EngineState.READY)
         return await self._watch(client)
 
