@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 # vLLM answers 503 for a request its own queue bounds refuse (vllm/exceptions.py, QueueOverflowError, 0.32).
 ENGINE_BUSY = 503
+# vLLM's answer (HTTP 500, vllm/v1/engine/exceptions.py, 0.26 and 0.32) while its API server outlives a dead
+# EngineCore, until the supervisor restarts the engine: for the client that is the engine being down (503).
+ENGINE_DEAD = b"EngineCore encountered an issue"
+ENGINE_DEAD_MESSAGE = "The model engine stopped and is being restarted; retry after the Retry-After seconds."
 
 # A route's own step once the exchange is settled (the stored response's owner remembered).
 AfterSettle = Callable[[], Awaitable[None]]
@@ -227,6 +231,8 @@ class EngineRelay:
                 raise EngineBusyError(
                     "The model engine's queue is full; retry shortly.", retry_after=self._settings.retry_after
                 )
+            if upstream.status >= 500 and ENGINE_DEAD in (answer or b""):
+                raise EngineUnavailableError(ENGINE_DEAD_MESSAGE, retry_after=self._settings.retry_after)
             error_body = engine_error_body(upstream.status, answer or b"")
             return BufferedAnswer(upstream.status, error_body, "application/json", headers)
         if answer is not None:

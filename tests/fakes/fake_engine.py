@@ -83,6 +83,7 @@ class Faults:
     token_delay: float = 0.0
     prefill_delay: float = 0.0
     status: int | None = None
+    message: str = "fake_status"  # the error answer's message, with `status`
     die_after: int | None = None
     hang: bool = False
 
@@ -93,6 +94,7 @@ class Faults:
             token_delay=float(body.get("fake_token_delay", 0.0)),
             prefill_delay=float(body.get("fake_prefill_delay", 0.0)),
             status=int(status) if status is not None else None,
+            message=str(body.get("fake_message", "fake_status")),
             die_after=int(die_after) if die_after is not None else None,
             hang=bool(body.get("fake_hang", False)),
         )
@@ -671,7 +673,7 @@ class FakeEngine:
             if await exchange.pause(faults.prefill_delay):
                 self._mark_gone(record)
             elif faults.status is not None:
-                await self._finish_json(exchange, record, faults.status, error_body(faults.status, "fake_status"))
+                await self._finish_json(exchange, record, faults.status, error_body(faults.status, faults.message))
             elif error is not None:
                 await self._finish_json(exchange, record, error[0], error_body(*error))
             return

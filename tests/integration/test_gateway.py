@@ -220,6 +220,18 @@ def test_engine_error_passes_through_in_the_envelope(client: openai.OpenAI) -> N
     assert caught.value.status_code == 500
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllms_dead_engine_core_answer_is_a_503_with_retry_after(base_url: str, stream: bool) -> None:
+    # vLLM's API server outlives a killed EngineCore for a moment and answers 500 with this message meanwhile.
+    dead = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+    body = chat(stream=stream, fake_status=500, fake_message=dead)
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 503
+    assert response.headers["retry-after"].isdigit()
+    error = response.json()["error"]
+    assert error["code"] == "engine_unavailable" and "being restarted" in error["message"]
+
+
 # --- streaming is incremental, and disconnects reach the engine ---
 
 
