@@ -220,9 +220,9 @@ async def drive_open(
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     started = time.perf_counter()
 
-    async def one(index: int, scheduled: float) -> None:
+    async def one(index: int, scheduled: float, sent: float) -> None:
         try:
-            record = RequestTiming(index, time.perf_counter() - started, scheduled)
+            record = RequestTiming(index, sent, scheduled)
             await timed_request(http, url, body_for(index), stream=stream, record=record)
             records.append(record)
             if on_done is not None:
@@ -237,10 +237,14 @@ async def drive_open(
             await asyncio.sleep(delay)
         if slots is not None:
             await slots.acquire()
-            if time.perf_counter() - started >= duration:
+        # Checked after the waits: an arrival due just before the end, woken late (a busy loop) or after a slot,
+        # would be sent past it.
+        sent = time.perf_counter() - started
+        if sent >= duration:
+            if slots is not None:
                 slots.release()
-                break
-        task = asyncio.create_task(one(first_index + number, at))
+            break
+        task = asyncio.create_task(one(first_index + number, at, sent))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:
