@@ -42,8 +42,9 @@ def _redis_server_binary() -> str | None:
 # Under pytest-xdist (`-n N --dist loadgroup`, scripts/test) the tests of one group run on one worker, in order.
 # The real-vLLM tier is one group, collected first so it is handed out first: it is the longest chain, and one CPU
 # engine at a time is what two cores carry. Every other module is a group of its own (its module fixtures start
-# once), except the modules that count the fake engine's /dev/shm files by name before and after (another worker's
-# fake engine would add some): those share one group. Groups go by path, as the scheduler sees only node ids.
+# once), except the modules whose fake engines make /dev/shm files (`--spawn-child`) and that count them by name
+# before and after (another worker's would add some): those share one group, so none runs beside another. Groups
+# go by path, as the scheduler sees only node ids.
 ENGINE_GROUP = "real-vllm"
 ENGINE_PATHS = ("tests/engine/", "tests/loadtest/test_profiles.py")
 SHM_COUNTING_GROUP = "fake-engine-shm"
@@ -52,6 +53,7 @@ SHM_COUNTING_MODULES = frozenset(
         "tests/e2e/test_reaper_idle.py",
         "tests/e2e/test_supervisor.py",
         "tests/e2e/test_supervisor_faults.py",
+        "tests/e2e/test_supervisor_processes.py",
         "tests/faults/test_engine_faults.py",
     }
 )

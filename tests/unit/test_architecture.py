@@ -497,3 +497,17 @@ def test_the_engine_entry_point_loads_no_web_stack() -> None:
     web = ("fastapi", "starlette", "aiohttp", "uvicorn", "gateway.app", "gateway.relay", "gateway.routes")
     loaded = [name for name in json.loads(result.stdout) if name.startswith(web)]
     assert loaded == [], f"{module} loads {loaded}"
+
+
+def test_every_module_counting_the_fake_engines_shm_files_shares_one_xdist_group() -> None:
+    """Two such modules on two workers at once see each other's files (`make test` runs three workers)."""
+    from tests.conftest import SHM_COUNTING_MODULES
+
+    tests_dir = Path(__file__).resolve().parents[1]
+    counting = {
+        path.relative_to(tests_dir.parent).as_posix()
+        for path in tests_dir.rglob("test_*.py")
+        if path != Path(__file__).resolve() and "fake_shm_files()" in path.read_text()
+    }
+    assert counting, "the scan found no module counting the fake engine's /dev/shm files"
+    assert counting <= SHM_COUNTING_MODULES, sorted(counting - SHM_COUNTING_MODULES)
