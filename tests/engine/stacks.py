@@ -60,6 +60,27 @@ def share_flag_list(state_dir: Path) -> None:
             shutil.copy(cached, state_dir / cached.name)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), from /proc; the ones gone meanwhile left out."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                    found += [int(child), *descendants(int(child))]
+    return found
+
+
+def engine_core_pid(root: int) -> int | None:
+    """vLLM's EngineCore process below `root`, once it exists: its title (VLLM::EngineCore) is in its cmdline
+    (comm cuts it to "VLLM::EngineCor")."""
+    for pid in descendants(root):
+        with contextlib.suppress(OSError):
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
 @contextlib.contextmanager
 def running_up(
     env: dict[str, str],

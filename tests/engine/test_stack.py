@@ -25,7 +25,7 @@ import pytest
 
 from gateway.supervisor.process import group_members, shared_memory_of
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.stacks import gateway_cli, running_up, up_settings
+from tests.engine.stacks import engine_core_pid, gateway_cli, running_up, up_settings
 from tests.procs import ServerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -238,25 +238,6 @@ IDLE_BOUND = 10.0 + 2 * 0.5
 SLACK = 20.0  # two cores shared by vLLM, the supervisor, the gateway and the test
 
 
-def _descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-                    found += [int(child), *_descendants(int(child))]
-    return found
-
-
-def _engine_core_pid(root: int) -> int | None:
-    """vLLM's EngineCore process below `root`: its cmdline is its title (comm cuts it to "VLLM::EngineCor")."""
-    for pid in _descendants(root):
-        with contextlib.suppress(OSError):
-            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-    return None
-
-
 def _ready(running: Stack) -> int:
     """The gateway's /ready status; 0 while it does not answer (`up` may be restarting it)."""
     try:
@@ -279,7 +260,7 @@ def _wait_ready(running: Stack, status: int, within: float) -> None:
 def test_frozen_engine_core_is_refused_within_the_bound_then_recovers(stack: Stack) -> None:
     _wait_ready(stack, 200, 120)
     # Below `nemotron-gateway up`: the supervisor, vllm serve, its EngineCore.
-    core = wait_until(lambda: _engine_core_pid(stack.proc.pid), timeout=60, message="no EngineCore process")
+    core = wait_until(lambda: engine_core_pid(stack.proc.pid), timeout=60, message="no EngineCore process")
     os.kill(core, signal.SIGSTOP)
     frozen_at = time.monotonic()
     try:

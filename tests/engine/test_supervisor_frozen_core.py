@@ -12,14 +12,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway.supervisor.process import group_members, shared_memory_inodes
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.stacks import share_flag_list
+from tests.engine.stacks import engine_core_pid, share_flag_list
 from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -33,25 +32,6 @@ def status() -> dict[str, object]:
         return dict(json.loads((STATE_DIR / "engine.json").read_text()))
     except (OSError, ValueError):
         return {}
-
-
-def descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-                    found += [int(child), *descendants(int(child))]
-    return found
-
-
-def engine_core(root: int) -> int | None:
-    """vLLM's EngineCore process below `root`, once it exists (its title, VLLM::EngineCore, is in its cmdline)."""
-    for pid in descendants(root):
-        with contextlib.suppress(OSError):
-            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-    return None
 
 
 def shm_inodes_now() -> set[int]:
@@ -96,7 +76,7 @@ def supervisor(demo_model_dir: str) -> Iterator[ServerProcess]:
 def test_stopped_engine_core_is_restarted_within_the_bound(supervisor: ServerProcess) -> None:
     first = status()
     vllm, group = int(str(first["engine_pid"])), int(str(first["group_pid"]))
-    core = wait_until(lambda: engine_core(vllm), timeout=60, message="no EngineCore process below vLLM")
+    core = wait_until(lambda: engine_core_pid(vllm), timeout=60, message="no EngineCore process below vLLM")
     engine = str(first["engine_url"])
     held = shared_memory_inodes(group_members(group))
     os.kill(core, signal.SIGSTOP)
