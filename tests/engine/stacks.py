@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
 
 from tests.engine.conftest import CACHE_ROOT
 from tests.procs import REPO_ROOT, ServerProcess
@@ -58,6 +61,14 @@ def share_flag_list(state_dir: Path) -> None:
     for cached in CACHE_ROOT.glob("*/vllm-flags-*.txt"):
         if not (state_dir / cached.name).exists():
             shutil.copy(cached, state_dir / cached.name)
+
+
+def running_in_vllm(engine: str) -> float:
+    """vLLM's own gauge of the requests it is generating for (`engine`: its URL), summed over its engines. It is set
+    from the engine core's stats, which reach the API server a step or more behind the tokens: wait for a value,
+    never read it once."""
+    text = httpx.get(f"{engine}/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M))
 
 
 def descendants(pid: int) -> list[int]:

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.stacks import gateway_cli, running_up, up_settings
+from tests.engine.stacks import gateway_cli, running_in_vllm, running_up, up_settings
 from tests.engine.test_nemotron_presets import OPERATOR_PRESETS, _plugin_path, _token_id
 from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
 from tools import demo_model
@@ -52,8 +52,7 @@ class Stack:
         return anthropic.Anthropic(base_url=self.gateway, default_headers=headers, max_retries=0, timeout=120)
 
     def running_in_vllm(self) -> float:
-        text = httpx.get(f"{self.engine}/metrics", timeout=5).text
-        return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M))
+        return running_in_vllm(self.engine)
 
     def metric(self, name: str, labels: str) -> float:
         text = httpx.get(f"{self.gateway}/metrics", timeout=5).text
@@ -179,7 +178,7 @@ def test_a_client_leaving_a_responses_or_messages_stream_aborts_the_generation_i
         for index, _ in enumerate(stream):
             if index == 5:
                 break
-        assert stack.running_in_vllm() >= 1
+        wait_until(lambda: stack.running_in_vllm() >= 1, timeout=5, message="vLLM never showed the request running")
         stream.close()
     wait_until(lambda: stack.running_in_vllm() == 0, timeout=30, message="vLLM still generating for a gone client")
     with stack.anthropic() as sdk:
@@ -189,7 +188,7 @@ def test_a_client_leaving_a_responses_or_messages_stream_aborts_the_generation_i
             for index, _ in enumerate(stream):
                 if index == 5:
                     break
-            assert stack.running_in_vllm() >= 1
+            wait_until(lambda: stack.running_in_vllm() >= 1, timeout=5, message="vLLM never showed it running")
     wait_until(lambda: stack.running_in_vllm() == 0, timeout=30, message="vLLM still generating for a gone client")
 
 

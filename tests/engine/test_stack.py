@@ -25,7 +25,7 @@ import pytest
 
 from gateway.supervisor.process import group_members, shared_memory_of
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.stacks import engine_core_pid, gateway_cli, running_up, up_settings
+from tests.engine.stacks import engine_core_pid, gateway_cli, running_in_vllm, running_up, up_settings
 from tests.procs import ServerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -54,9 +54,7 @@ class Stack:
 
     def running_in_vllm(self) -> float:
         """vLLM's own gauge of requests it is generating for."""
-        text = httpx.get(f"{self.engine}/metrics", timeout=5).text
-        found = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M)
-        return sum(float(v) for v in found)
+        return running_in_vllm(self.engine)
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +208,7 @@ def test_client_disconnect_aborts_the_generation_in_vllm(stack: Stack) -> None:
         for index, _ in enumerate(stream):
             if index == 3:
                 break
-        # vLLM's gauge is set from the engine core's stats, which reach its API server a step or more behind the
-        # tokens (read once, it was 0 with three tokens already streamed): wait for it, the stream still open.
+        # Waited for, the stream still open: read once, it was 0 with three tokens already streamed.
         wait_until(lambda: stack.running_in_vllm() >= 1, timeout=5, message="vLLM never showed the request running")
         stream.close()
     wait_until(lambda: stack.running_in_vllm() == 0, timeout=5, message="vLLM kept generating for a gone client")
