@@ -16,6 +16,12 @@ calls whose scripts are idempotent (read-only, or keyed by a lease id, see `rate
 here. A pooled connection that died with a Redis restart is caught before anything is sent: the pool checks
 each connection it hands out for a pending EOF and reconnects it (redis-py 8 skips that check while its
 "maintenance notifications" are on, a Redis Enterprise feature we do not use, so they are turned off).
+
+Lua scripts, the gateway's hot path (a key's admission and release on every request), do not take a pooled
+connection each: every client has one `ScriptLane`, a connection of its own that carries every script call
+pipelined, its replies matched to the calls in order (the server answers in order). redis-py's pool makes and
+authenticates that connection (TLS, Unix sockets, Sentinel's master lookup alike); the lane then owns its
+transport.
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Final, TypeVar
 
 import redis.asyncio as redis_asyncio
+from redis._parsers.base import BaseParser
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
@@ -35,7 +44,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.driver_info import DriverInfo
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, NoScriptError, ReadOnlyError, RedisError
+from redis.exceptions import DataError, InvalidResponse, NoScriptError, ReadOnlyError, RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from gateway.background import BackgroundTask, Backoff
@@ -68,6 +77,17 @@ class _InlineWrite(AbstractConnection):
     nothing buffered goes straight into the kernel's buffer and cannot time out, so it is done here; anything
     else (not connected, a health check due, a closing or backed-up transport) takes redis-py's own path.
     """
+
+    # Set while a ScriptLane owns this connection's transport (the pool counts it as in use): the pool's disconnect
+    # (a client's `aclose`) lets the lane close it, at once. redis-py's own would wait for the stream's protocol,
+    # which the lane replaced, to see the end.
+    lane_release: Callable[[], None] | None = None
+
+    async def disconnect(self, *args: Any, **kwargs: Any) -> None:
+        if self.lane_release is not None:
+            self.lane_release()
+            return
+        await super().disconnect(*args, **kwargs)
 
     async def send_packed_command(self, command: str | bytes | Iterable[bytes], check_health: bool = True) -> None:
         writer = self._writer
@@ -109,14 +129,14 @@ def _inline_writes(client: redis_asyncio.Redis) -> redis_asyncio.Redis:
 
 
 class DirectScript(AsyncScript):
-    """redis-py's Lua script, called by SHA straight on a pooled connection.
+    """redis-py's Lua script, called by SHA on its client's `ScriptLane`.
 
     redis-py's path for one call goes through `evalsha`, `execute_command`, its retry wrapper (no retries here),
-    its response callbacks and its per-command observability hooks, each awaited: with keys and limits on, that
-    was a fifth of the gateway's CPU per request (py-spy under the overhead benchmark). The connection does what
-    matters as before: a connection error or a timeout disconnects it, READONLY from a demoted Sentinel master
-    is a connection error, NOSCRIPT loads the script and sends it again. Called with a pipeline (`client=`), it
-    is redis-py's own.
+    its response callbacks and its per-command observability hooks, each awaited, then the pool's checkout and
+    release (a lock, a check of the socket, more hooks): with keys and limits on, a third of the gateway's CPU per
+    request (py-spy under the overhead benchmark). The lane does what matters as before: a connection error or a
+    stalled connection is dropped, READONLY from a demoted master drops it too, NOSCRIPT loads the script and sends
+    it again. Called with a pipeline (`client=`), it is redis-py's own.
     """
 
     def __init__(self, client: redis_asyncio.Redis, script: str) -> None:
@@ -132,20 +152,243 @@ class DirectScript(AsyncScript):
         if client is not None and client is not self._client:
             return await super().__call__(keys, args, client)
         keys, args = list(keys or ()), list(args or ())
-        pool = self._client.connection_pool
-        connection = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        lane = script_lane(self._client)
         try:
-            try:
-                return await self._run(connection, keys, args)
-            except NoScriptError:  # a Redis that lost its scripts (a restart, a promoted replica)
-                self.sha = await self._client.script_load(self.script)
-                return await self._run(connection, keys, args)
-        finally:
-            await pool.release(connection)
+            return await lane.call(pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
+        except NoScriptError:  # a Redis that lost its scripts (a restart, a promoted replica)
+            self.sha = await self._client.script_load(self.script)
+            return await lane.call(pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
 
-    async def _run(self, connection: AbstractConnection, keys: list[Any], args: list[Any]) -> Any:
-        await connection.send_packed_command(pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
-        return await connection.read_response()
+
+class _Incomplete(Exception):
+    """The buffer ends before the reply does."""
+
+
+# A server push (RESP3 `>`: an invalidation, a pub/sub message) answers no call.
+PUSH: Final = object()
+
+
+def parse_reply(buffer: bytes | bytearray, start: int = 0) -> tuple[Any, int]:
+    """One RESP2 or RESP3 reply from `buffer[start:]` as redis-py's parsers give it undecoded (integers as int,
+    strings as bytes, nil as None, arrays and sets as lists, maps as dicts, an error reply as redis-py's exception
+    for it, not raised; a push as `PUSH`), and the index just past it. `_Incomplete` if the buffer ends first;
+    InvalidResponse if it is not RESP."""
+    end = buffer.find(b"\r\n", start)
+    if end < 0:
+        raise _Incomplete
+    kind, line = buffer[start], buffer[start + 1 : end]
+    after = end + 2
+    if kind == 0x3A or kind == 0x28:  # ':' integer, '(' big number
+        return int(line), after
+    if kind == 0x24 or kind == 0x3D or kind == 0x21:  # '$' bulk string, '=' verbatim string, '!' bulk error
+        length = int(line)
+        if length < 0:
+            return None, after
+        if len(buffer) < after + length + 2:
+            raise _Incomplete
+        data = bytes(buffer[after : after + length])
+        after += length + 2
+        if kind == 0x3D:
+            return data[4:], after  # less its "txt:" format
+        if kind == 0x21:
+            return _error(data), after
+        return data, after
+    if kind == 0x2A or kind == 0x7E or kind == 0x3E:  # '*' array, '~' set, '>' push
+        count = int(line)
+        if count < 0:
+            return None, after
+        items = []
+        for _ in range(count):
+            item, after = parse_reply(buffer, after)
+            items.append(item)
+        return (PUSH if kind == 0x3E else items), after
+    if kind == 0x25:  # '%' map
+        mapping = {}
+        for _ in range(int(line)):
+            key, after = parse_reply(buffer, after)
+            mapping[key], after = parse_reply(buffer, after)
+        return mapping, after
+    if kind == 0x2B:  # '+' simple string
+        return bytes(line), after
+    if kind == 0x2D:  # '-' error
+        return _error(line), after
+    if kind == 0x5F:  # '_' null
+        return None, after
+    if kind == 0x23:  # '#' boolean
+        return line == b"t", after
+    if kind == 0x2C:  # ',' double
+        return float(line), after
+    raise InvalidResponse(f"Protocol error, got {chr(kind)!r} as reply type byte")
+
+
+def _error(text: bytes | bytearray) -> RedisError:
+    """redis-py's exception for an error reply's text."""
+    error: RedisError = BaseParser.parse_error(bytes(text).decode("utf-8", "replace"))  # type: ignore[no-untyped-call]
+    return error
+
+
+class _LaneProtocol(asyncio.Protocol):
+    """The lane's transport's protocol: what arrives goes to the lane, as does the end."""
+
+    def __init__(self, lane: ScriptLane) -> None:
+        self._lane = lane
+
+    def data_received(self, data: bytes) -> None:
+        self._lane.received(self, data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lane.lost(self, exc)
+
+
+_Pending = tuple[asyncio.Future[Any], float]
+
+
+class ScriptLane:
+    """One connection that carries every script call of a client, pipelined.
+
+    A call writes its command and waits for the reply in the order it was sent: no pool checkout, no lock, no task.
+    The first call (and the first after a loss) connects, the calls arriving meanwhile wait for that one connection.
+    A call abandoned by its caller (its deadline, a client gone) keeps its place, so its reply is read and dropped.
+    The connection is dropped, and the calls still waiting fail with a connection error (callers retry once, the
+    scripts being idempotent), when the server closes it, when a reply is not RESP, when READONLY says the server
+    is no longer the master, or when the oldest call has waited more than `stall_after` seconds (a frozen or
+    unreachable server: the next call reconnects instead of queueing behind it).
+    """
+
+    def __init__(self, pool: Any, stall_after: float) -> None:
+        self._pool = pool
+        self._stall_after = stall_after
+        self._transport: asyncio.WriteTransport | None = None
+        self._connection: _InlineWrite | None = None  # redis-py's, which made the transport
+        self._protocol: _LaneProtocol | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: deque[_Pending] = deque()
+        self._buffer = bytearray()
+
+    async def call(self, command: bytes) -> Any:
+        """Send one packed command and return its reply; an error reply is raised as redis-py's exception."""
+        loop = asyncio.get_running_loop()
+        transport = self._transport
+        if transport is None or loop is not self._loop or transport.is_closing() or self._stalled(loop.time()):
+            transport = await self._connected(loop)
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((future, loop.time()))
+        transport.write(command)
+        return await future
+
+    def _stalled(self, now: float) -> bool:
+        return bool(self._pending) and now - self._pending[0][1] > self._stall_after
+
+    async def _connected(self, loop: asyncio.AbstractEventLoop) -> asyncio.WriteTransport:
+        connecting = self._connecting
+        if connecting is None or connecting.done() or loop is not self._loop:
+            if self._transport is not None:
+                self._drop(RedisConnectionError("Redis did not answer in time; reconnecting"))
+            self._loop = loop
+            connecting = self._connecting = loop.create_task(self._connect())
+            connecting.add_done_callback(_retrieve)
+        await asyncio.shield(connecting)  # a caller leaving does not abandon the others' connection
+        if self._transport is None:
+            raise RedisConnectionError("Connection to Redis lost")
+        return self._transport
+
+    async def _connect(self) -> None:
+        connection: _InlineWrite = self._pool.make_connection()
+        # The handshake (AUTH, SELECT, CLIENT SETINFO; with Sentinel, the master lookup), within connect_timeout.
+        await connection.connect()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        writer = connection._writer
+        if writer is None:
+            raise RedisConnectionError("Connection to Redis lost")
+        transport = writer.transport
+        protocol = _LaneProtocol(self)
+        transport.set_protocol(protocol)
+        # The pool counts the lane's connection as in use, so closing the client (`aclose`, `close_redis`) closes
+        # it too (`_InlineWrite.disconnect`); redis-py's connection object keeps its stream meanwhile (a StreamWriter
+        # closes its transport when collected).
+        connection.lane_release = self.close
+        self._pool._in_use_connections.add(connection)
+        self._buffer.clear()
+        self._transport, self._connection, self._protocol = transport, connection, protocol
+
+    def received(self, protocol: _LaneProtocol, data: bytes) -> None:
+        """Replies arrived on the connection of `protocol`: settle the calls they answer, in order."""
+        if protocol is not self._protocol:
+            return
+        if self._buffer:
+            self._buffer += data
+            buffer: bytes | bytearray = self._buffer
+        else:
+            buffer = data
+        start = 0
+        try:
+            while start < len(buffer):
+                reply, start = parse_reply(buffer, start)
+                if reply is PUSH:
+                    continue
+                if not self._pending:
+                    raise InvalidResponse("Redis sent a reply no call was waiting for")
+                future, _ = self._pending.popleft()
+                if not future.done():
+                    if isinstance(reply, RedisError):
+                        future.set_exception(reply)
+                    else:
+                        future.set_result(reply)
+                if isinstance(reply, ReadOnlyError):  # a demoted master: the next call finds the new one
+                    self._drop(RedisConnectionError("Redis is no longer the master (READONLY)"))
+                    return
+        except _Incomplete:
+            pass
+        except (InvalidResponse, ValueError) as exc:
+            self._drop(RedisConnectionError(f"Redis sent what is not a reply: {exc}"))
+            return
+        self._buffer = bytearray(buffer[start:]) if start < len(buffer) else bytearray()
+
+    def lost(self, protocol: _LaneProtocol, exc: Exception | None) -> None:
+        """The connection of `protocol` ended: the calls still waiting fail with a connection error."""
+        if protocol is self._protocol:
+            self._drop(RedisConnectionError(f"Connection to Redis lost: {exc or 'closed by the server'}"))
+
+    def _drop(self, error: Exception) -> None:
+        transport, connection = self._transport, self._connection
+        self._transport, self._connection, self._protocol = None, None, None
+        if transport is not None:
+            # What is still buffered for a stalled server goes too. RuntimeError: the loop it was made on is closed.
+            with contextlib.suppress(RuntimeError):
+                transport.abort()
+        if connection is not None:  # after the abort: its StreamWriter, collected, would close the transport
+            self._pool._in_use_connections.discard(connection)
+            connection.lane_release = None
+            connection._reader = connection._writer = None
+        self._buffer.clear()
+        pending, self._pending = self._pending, deque()
+        for future, _ in pending:
+            if not future.done():
+                future.set_exception(error)
+
+    def close(self) -> None:
+        """Close the connection; calls still waiting fail with a connection error."""
+        if self._connecting is not None and not self._connecting.done():
+            self._connecting.cancel()
+        self._drop(RedisConnectionError("The Redis client was closed"))
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a connect task's outcome as seen (every waiter got it)."""
+    if not task.cancelled():
+        task.exception()
+
+
+_LANES: weakref.WeakKeyDictionary[redis_asyncio.Redis, ScriptLane] = weakref.WeakKeyDictionary()
+
+
+def script_lane(client: redis_asyncio.Redis) -> ScriptLane:
+    """The `ScriptLane` of `client` (made on first use; closing the client closes its connection)."""
+    lane = _LANES.get(client)
+    if lane is None:
+        pool = _inline_writes(client).connection_pool
+        lane = _LANES[client] = ScriptLane(pool, pool.connection_kwargs.get("socket_timeout") or 1.0)
+    return lane
 
 
 def pack_command(*args: object) -> bytes:
@@ -213,7 +456,7 @@ def connect_redis(settings: Settings) -> redis_asyncio.Redis:
 async def close_redis(client: redis_asyncio.Redis) -> None:
     """Close a client of `connect_redis`, and the connections to the Sentinels it asked, if any."""
     pool = client.connection_pool
-    await client.aclose()
+    await client.aclose()  # its script lane's connection too
     if isinstance(pool, SentinelConnectionPool):
         await pool.sentinel_manager.aclose()
 

@@ -1,22 +1,28 @@
 """connect_redis and DirectScript against a real Redis: a command is written in the caller's task (no task of its
 own per command), the connection classes of every URL kind keep their own behaviour under the inline write, and a
-script call straight on a pooled connection answers as redis-py's own: after a script flush, in a pipeline, with
-an error."""
+script call on the client's script lane answers as redis-py's own: after a script flush, in a pipeline, with an
+error; pipelined calls each get their own reply, an abandoned one included; a stalled or closed connection is
+replaced; closing the client closes the lane's connection at once."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Generator
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Coroutine, Generator
 from typing import Any
 
 import pytest
+import redis
+import redis.asyncio as redis_asyncio
 from pydantic import SecretStr
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.sentinel import SentinelManagedConnection
 from redis.exceptions import ResponseError
 
 from gateway.redis_client import DirectScript, close_redis, connect_redis
-from gateway.settings import Settings
+from gateway.settings import RedisSettings, Settings
 
 pytestmark = pytest.mark.timeout(15)
 
@@ -82,4 +88,128 @@ async def test_a_direct_script_answers_as_redis_pys_own(redis_clean: str) -> Non
             await failing()
         assert await direct(keys=["a", "n"], args=["w", 1]) == [5, b"1"]  # the connection serves on after an error
     finally:
+        await close_redis(client)
+
+
+_ECHO = "return {ARGV[1], redis.call('INCR', KEYS[1])}"
+
+
+async def test_pipelined_calls_each_get_their_own_reply_an_abandoned_one_included(redis_clean: str) -> None:
+    client = connect_redis(Settings(redis_url=SecretStr(redis_clean)))
+    echo = DirectScript(client, _ECHO)
+    try:
+        await echo(keys=["n"], args=["warm"])
+        abandoned = asyncio.create_task(echo(keys=["n"], args=["abandoned"]))
+        await asyncio.sleep(0)  # written, its reply not read yet
+        abandoned.cancel()
+        replies = await asyncio.gather(*(echo(keys=["n"], args=[f"call-{i}"]) for i in range(300)))
+        assert [reply[0] for reply in replies] == [f"call-{i}".encode() for i in range(300)]
+        assert sorted(reply[1] for reply in replies) == list(range(3, 303))  # the abandoned call ran too (2)
+        with contextlib.suppress(asyncio.CancelledError):
+            await abandoned
+    finally:
+        await close_redis(client)
+
+
+class _HoldingProxy:
+    """A TCP proxy to Redis that, while `holding`, keeps what clients send (Redis frozen, from the client's side)."""
+
+    def __init__(self, target: str) -> None:
+        host_port = target.split("//", 1)[1].split("/", 1)[0]
+        self._host, port = host_port.rsplit(":", 1)
+        self._port = int(port)
+        self.holding = False
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        up_reader, up_writer = await asyncio.open_connection(self._host, self._port)
+
+        async def downstream() -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await up_reader.read(65536):
+                    writer.write(data)
+
+        pump = asyncio.create_task(downstream())
+        try:
+            while data := await reader.read(65536):
+                if not self.holding:
+                    up_writer.write(data)
+        except ConnectionError:
+            pass
+        finally:
+            pump.cancel()
+            writer.close()
+            up_writer.close()
+
+
+@pytest.fixture
+async def holding_proxy(redis_clean: str) -> AsyncIterator[tuple[_HoldingProxy, str]]:
+    proxy = _HoldingProxy(redis_clean)
+    port = await proxy.start()
+    db = redis_clean.rsplit("/", 1)[1]
+    yield proxy, f"redis://127.0.0.1:{port}/{db}"
+    await proxy.stop()
+
+
+async def test_a_stalled_connection_is_dropped_and_the_next_call_gets_its_own_reply(
+    holding_proxy: tuple[_HoldingProxy, str],
+) -> None:
+    proxy, url = holding_proxy
+    client = connect_redis(Settings(redis_url=SecretStr(url), redis=RedisSettings(socket_timeout=0.2)))
+    echo = DirectScript(client, _ECHO)
+    try:
+        assert (await echo(keys=["n"], args=["before"]))[0] == b"before"
+        proxy.holding = True
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await echo(keys=["n"], args=["held"])
+        proxy.holding = False
+        # The held call has waited past socket_timeout: the next one does not queue behind it on that connection.
+        assert (await echo(keys=["n"], args=["after"]))[0] == b"after"
+        assert proxy.connections == 2
+    finally:
+        await close_redis(client)
+
+
+def _named_connections(url: str, name: str) -> list[dict[str, Any]]:
+    probe = redis.Redis.from_url(url, socket_timeout=5.0)
+    try:
+        return [entry for entry in probe.client_list() if entry.get("name") == name]
+    finally:
+        probe.close()
+
+
+async def test_a_connection_the_server_closed_is_replaced_and_closing_the_client_closes_it_at_once(
+    redis_clean: str,
+) -> None:
+    name = f"lane-{os.getpid()}-{time.monotonic_ns()}"
+    client = connect_redis(Settings(redis_url=SecretStr(f"{redis_clean}?client_name={name}")))
+    echo = DirectScript(client, _ECHO)
+    killer: redis_asyncio.Redis = redis_asyncio.Redis.from_url(redis_clean)
+    try:
+        assert (await echo(keys=["n"], args=["first"]))[0] == b"first"
+        (lane,) = _named_connections(redis_clean, name)
+        await killer.client_kill_filter(_id=lane["id"])
+        await asyncio.sleep(0.1)  # the lane sees the end
+        assert (await echo(keys=["n"], args=["second"]))[0] == b"second"
+        (replacement,) = _named_connections(redis_clean, name)
+        assert replacement["id"] != lane["id"]
+        started = time.monotonic()
+        await client.aclose()
+        assert time.monotonic() - started < 0.2
+        await asyncio.sleep(0.1)
+        assert _named_connections(redis_clean, name) == []
+    finally:
+        await killer.aclose()
         await close_redis(client)

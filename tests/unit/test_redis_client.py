@@ -11,11 +11,20 @@ from pydantic import SecretStr
 from redis.asyncio.connection import Connection
 from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, ReadOnlyError, ResponseError
+from redis.exceptions import DataError, InvalidResponse, NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import KeyStoreUnavailableError
-from gateway.redis_client import RedisCalls, close_redis, connect_redis, pack_command, ping_redis
+from gateway.redis_client import (
+    PUSH,
+    RedisCalls,
+    _Incomplete,
+    close_redis,
+    connect_redis,
+    pack_command,
+    parse_reply,
+    ping_redis,
+)
 from gateway.settings import RedisSettings, Settings
 
 pytestmark = pytest.mark.timeout(10)
@@ -144,3 +153,52 @@ def test_a_packed_script_call_is_the_bytes_redis_py_sends(args: tuple[object, ..
 def test_what_redis_py_refuses_to_encode_is_refused(value: object) -> None:
     with pytest.raises(DataError):
         pack_command("EVALSHA", "0" * 40, 0, value)
+
+
+# What the script lane reads: every RESP2 and RESP3 reply kind, as redis-py's parsers give it undecoded.
+_REPLIES: list[tuple[bytes, object]] = [
+    (b":42\r\n", 42),
+    (b":-7\r\n", -7),
+    (b"(12345678901234567890\r\n", 12345678901234567890),
+    (b"$5\r\nhello\r\n", b"hello"),
+    (b"$0\r\n\r\n", b""),
+    (b"$-1\r\n", None),
+    (b"_\r\n", None),
+    (b"+OK\r\n", b"OK"),
+    (b"#t\r\n", True),
+    (b"#f\r\n", False),
+    (b",1.5\r\n", 1.5),
+    (b"=7\r\ntxt:abc\r\n", b"abc"),
+    (b"*3\r\n:1\r\n$-1\r\n$1\r\nx\r\n", [1, None, b"x"]),
+    (b"*-1\r\n", None),
+    (b"*0\r\n", []),
+    (b"*2\r\n*1\r\n:1\r\n*0\r\n", [[1], []]),
+    (b"~2\r\n:1\r\n:2\r\n", [1, 2]),
+    (b"%1\r\n$1\r\nk\r\n:9\r\n", {b"k": 9}),
+    (b">2\r\n$10\r\ninvalidate\r\n*0\r\n", PUSH),
+]
+
+
+@pytest.mark.parametrize(("wire", "value"), _REPLIES)
+def test_a_reply_parses_as_redis_py_gives_it_and_nothing_short_of_it_does(wire: bytes, value: object) -> None:
+    assert parse_reply(wire + b":0\r\n") == (value, len(wire))  # and stops where the reply ends
+    for cut in range(len(wire)):  # however the reply is split across reads
+        with pytest.raises(_Incomplete):
+            parse_reply(wire[:cut])
+
+
+def test_an_error_reply_is_redis_pys_exception_for_it_returned_not_raised() -> None:
+    noscript, _ = parse_reply(b"-NOSCRIPT No matching script. Please use EVAL.\r\n")
+    assert isinstance(noscript, NoScriptError)
+    readonly, _ = parse_reply(b"-READONLY You can't write against a read only replica.\r\n")
+    assert isinstance(readonly, ReadOnlyError)
+    plain, _ = parse_reply(b"!10\r\nERR broken\r\n")
+    assert isinstance(plain, ResponseError) and str(plain) == "broken"  # as redis-py: the code apart
+    nested, _ = parse_reply(b"*2\r\n:1\r\n-ERR inner\r\n")
+    assert nested[0] == 1 and isinstance(nested[1], ResponseError)
+
+
+@pytest.mark.parametrize("wire", [b"?what\r\n", b":notanumber\r\n"])
+def test_what_is_not_resp_is_refused(wire: bytes) -> None:
+    with pytest.raises((InvalidResponse, ValueError)):
+        parse_reply(wire)
