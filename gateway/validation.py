@@ -273,7 +273,7 @@ def _prepare(
     route's own policy (which returns the prompt's token estimate), and serialise what goes to the engine."""
     route.bounds.precount(body, settings)
     data = parse_json_object(body)
-    route.bounds.check(data, settings)
+    route.bounds.check(data, settings, len(body))
     _validate(route.schema, data)
     requested_priority = _pop_priority(data)
     model = _resolve_model(data["model"], settings, info)

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from gateway.bounds import count_entries
+from gateway.bounds import BodyBounds, count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.relay.served_model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, EngineSettings, Settings
@@ -789,6 +789,21 @@ def test_list_entries_under_the_cap_and_typed_keys_spelt_with_escapes() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         prepare_chat(escaped, settings, INFO)
     assert caught.value.param == "tools"
+
+
+@given(entries=st.integers(min_value=1, max_value=40), limit=st.integers(min_value=1, max_value=40))
+@hypothesis_settings(max_examples=200, deadline=None)
+def test_the_exact_count_is_skipped_only_for_a_body_too_small_to_pass_the_limit(entries: int, limit: int) -> None:
+    # The densest lists JSON has (`[0,0,...]`, `{"":0,...}`: two and five bytes an entry) are still counted exactly.
+    bounds = BodyBounds(items_field="messages", items=lambda data: 0, entries=("a", "b"))
+    settings = Settings(max_list_entries=limit)
+    for data in ({"a": [0] * entries}, {"b": {str(i): 0 for i in range(entries)}}):
+        body = orjson.dumps(data)
+        if entries > limit:
+            with pytest.raises(InvalidRequestError):
+                bounds.check(data, settings, len(body))
+        else:
+            bounds.check(data, settings, len(body))
 
 
 def test_completion_stop_strings_are_capped() -> None:
