@@ -20,6 +20,10 @@ lint:
 
 bench:          ## gateway overhead vs the engine directly and vs nginx (the reference proxy): the default settings, then lean
 	scripts/bootstrap
+	@# nginx is the reference (its rows and the per-chunk ratio); as root it comes from Debian's packages, as for make test
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; } >/dev/null
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || echo "== nginx is not installed (apt-get install nginx-light): its reference rows are left out"
 	mkdir -p loadtest/results
 	@echo "== default settings: access log on, NEMOTRON_WORKERS unset, an API key with limits on every request"
 	.venv/bin/python -m loadtest.overhead --json loadtest/results/overhead-default.json
