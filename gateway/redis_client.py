@@ -45,6 +45,7 @@ from redis.commands.core import AsyncScript
 from redis.driver_info import DriverInfo
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, InvalidResponse, NoScriptError, ReadOnlyError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from gateway.background import BackgroundTask, Backoff
@@ -142,6 +143,7 @@ class DirectScript(AsyncScript):
     def __init__(self, client: redis_asyncio.Redis, script: str) -> None:
         super().__init__(client, script)
         self._client = client
+        self._loading: asyncio.Future[Any] | None = None
 
     async def __call__(
         self,
@@ -153,11 +155,21 @@ class DirectScript(AsyncScript):
             return await super().__call__(keys, args, client)
         keys, args = list(keys or ()), list(args or ())
         lane = script_lane(self._client)
+        command = pack_command("EVALSHA", self.sha, len(keys), *keys, *args)
         try:
-            return await lane.call(pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
+            return await lane.call(command)
         except NoScriptError:  # a Redis that lost its scripts (a restart, a promoted replica)
-            self.sha = await self._client.script_load(self.script)
-            return await lane.call(pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
+            await self._load(lane)
+            return await lane.call(command)
+
+    async def _load(self, lane: ScriptLane) -> None:
+        """SCRIPT LOAD on the lane, once for all the calls that met NOSCRIPT together (a burst at a fresh or restarted
+        Redis: each loading it through the pool grew the pool by one connection a call)."""
+        loading = self._loading
+        if loading is None or loading.done():
+            loading = self._loading = asyncio.ensure_future(lane.call(pack_command("SCRIPT", "LOAD", self.script)))
+            loading.add_done_callback(_retrieve)
+        await asyncio.shield(loading)  # its SHA is ours: the SHA-1 of the script
 
 
 class _Incomplete(Exception):
@@ -250,9 +262,11 @@ class ScriptLane:
     The first call (and the first after a loss) connects, the calls arriving meanwhile wait for that one connection.
     A call abandoned by its caller (its deadline, a client gone) keeps its place, so its reply is read and dropped.
     The connection is dropped, and the calls still waiting fail with a connection error (callers retry once, the
-    scripts being idempotent), when the server closes it, when a reply is not RESP, when READONLY says the server
-    is no longer the master, or when the oldest call has waited more than `stall_after` seconds (a frozen or
-    unreachable server: the next call reconnects instead of queueing behind it).
+    scripts being idempotent), when the server closes it, when a reply is not RESP, or when READONLY says the server
+    is no longer the master. A call unanswered after `stall_after` seconds (redis-py's `socket_timeout`: a frozen
+    or unreachable server) fails with redis-py's TimeoutError, as a read of redis-py's would, and the connection is
+    dropped with it, so the next call reconnects instead of queueing behind it. One timer watches the oldest call
+    (armed for its deadline, moved on to the next oldest only when it fires), not one timer per call.
     """
 
     def __init__(self, pool: Any, stall_after: float) -> None:
@@ -265,26 +279,48 @@ class ScriptLane:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: deque[_Pending] = deque()
         self._buffer = bytearray()
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     async def call(self, command: bytes) -> Any:
         """Send one packed command and return its reply; an error reply is raised as redis-py's exception."""
         loop = asyncio.get_running_loop()
+        if loop is self._loop and self._stalled(loop.time()):
+            self._check_stall(loop)  # overdue, and the timer has not run yet (a busy loop)
         transport = self._transport
-        if transport is None or loop is not self._loop or transport.is_closing() or self._stalled(loop.time()):
+        if transport is None or loop is not self._loop or transport.is_closing():
             transport = await self._connected(loop)
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((future, loop.time()))
+        if self._stall_timer is None:
+            self._watch_oldest(loop)
         transport.write(command)
         return await future
 
     def _stalled(self, now: float) -> bool:
-        return bool(self._pending) and now - self._pending[0][1] > self._stall_after
+        return bool(self._pending) and now - self._pending[0][1] >= self._stall_after
+
+    def _watch_oldest(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._stall_timer = loop.call_at(self._pending[0][1] + self._stall_after, self._check_stall, loop)
+
+    def _check_stall(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._stall_timer = None
+        if not self._pending:
+            return
+        now = loop.time()
+        if self._stalled(now):
+            self._drop(
+                RedisConnectionError("Redis stopped answering on this connection; reconnecting"),
+                overdue=RedisTimeoutError(f"Redis did not answer within {self._stall_after:g} s"),
+                sent_before=now - self._stall_after,
+            )
+        else:  # the oldest then was answered: watch the oldest now
+            self._watch_oldest(loop)
 
     async def _connected(self, loop: asyncio.AbstractEventLoop) -> asyncio.WriteTransport:
         connecting = self._connecting
         if connecting is None or connecting.done() or loop is not self._loop:
-            if self._transport is not None:
-                self._drop(RedisConnectionError("Redis did not answer in time; reconnecting"))
+            if self._transport is not None:  # closing, or made on another event loop
+                self._drop(RedisConnectionError("Connection to Redis replaced"))
             self._loop = loop
             connecting = self._connecting = loop.create_task(self._connect())
             connecting.add_done_callback(_retrieve)
@@ -349,7 +385,12 @@ class ScriptLane:
         if protocol is self._protocol:
             self._drop(RedisConnectionError(f"Connection to Redis lost: {exc or 'closed by the server'}"))
 
-    def _drop(self, error: Exception) -> None:
+    def _drop(self, error: Exception, *, overdue: Exception | None = None, sent_before: float = 0.0) -> None:
+        """Close the connection; the calls still waiting fail with `error`, those sent before `sent_before` (the
+        overdue ones) with `overdue`."""
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         transport, connection = self._transport, self._connection
         self._transport, self._connection, self._protocol = None, None, None
         if transport is not None:
@@ -362,9 +403,9 @@ class ScriptLane:
             connection._reader = connection._writer = None
         self._buffer.clear()
         pending, self._pending = self._pending, deque()
-        for future, _ in pending:
+        for future, sent in pending:
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(overdue if overdue is not None and sent <= sent_before else error)
 
     def close(self) -> None:
         """Close the connection; calls still waiting fail with a connection error."""
@@ -373,8 +414,8 @@ class ScriptLane:
         self._drop(RedisConnectionError("The Redis client was closed"))
 
 
-def _retrieve(task: asyncio.Task[None]) -> None:
-    """Mark a connect task's outcome as seen (every waiter got it)."""
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a shared task's outcome as seen (every waiter got it)."""
     if not task.cancelled():
         task.exception()
 
