@@ -57,9 +57,11 @@ async def test_redis_restart_under_load(
                 )
 
             assert [r.status_code for r in await burst(BURST)] == [200] * BURST
-            pooled = await _connected_clients(restartable_redis.url)
-            figures("redis_restart.pool_connections", pooled, "connections", f"after a burst of {BURST}")
-            assert pooled >= 20, f"the burst grew the gateway's Redis pool to {pooled} connections only"
+            connected = await _connected_clients(restartable_redis.url)
+            figures("redis_restart.connections", connected, "connections", f"after a burst of {BURST}")
+            # Script calls share one pipelined connection per worker (and load a missing script once): the restart
+            # below kills those, and the listeners'.
+            assert 1 <= connected <= 12, f"the gateway holds {connected} connections to Redis"
 
             # Streams admitted now end while Redis is down: their slots cannot be released then.
             started = [asyncio.Event() for _ in range(5)]

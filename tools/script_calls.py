@@ -1,4 +1,5 @@
-"""`python -m loadtest.script_calls`: the CPU one Lua script call of the gateway's Redis client costs.
+"""`python -m tools.script_calls`: the CPU one Lua script call of the gateway's Redis client costs (a development tool:
+it runs the gateway's own `DirectScript` in-process, where the load tool drives the gateway from outside).
 
 The hot path of keys and limits is two script calls a request (admission, release), each through `DirectScript`.
 This measures that call alone: `--calls` calls of a small script (an INCR and an echo, the size of the limiter's
@@ -65,7 +66,7 @@ async def _measure(redis_url: str, calls: int) -> dict[str, dict[str, float]]:
 def _run_tree(tree: Path, redis_url: str, calls: int, pin: bool) -> dict[str, dict[str, float]]:
     """One measurement in a process of its own that imports `tree`'s `gateway` package."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(REPO_ROOT)])}
-    argv = [sys.executable, "-P", "-m", "loadtest.script_calls", "--measure", "--redis-url", redis_url]
+    argv = [sys.executable, "-P", "-m", "tools.script_calls", "--measure", "--redis-url", redis_url]
     argv += ["--calls", str(calls)]
     if pin:
         argv = ["taskset", "-c", "0", *argv]
@@ -106,8 +107,8 @@ def _table(summary: dict[str, Any], calls: int, rounds: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: `python -m loadtest.script_calls [--baseline DIR] [--calls N] [--rounds R]`."""
-    parser = argparse.ArgumentParser(prog="python -m loadtest.script_calls", description=__doc__)
+    """Entry point: `python -m tools.script_calls [--baseline DIR] [--calls N] [--rounds R]`."""
+    parser = argparse.ArgumentParser(prog="python -m tools.script_calls", description=__doc__)
     parser.add_argument("--calls", type=int, default=6000, help="script calls per concurrency and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="a directory holding another tree's `gateway` package")

@@ -1,4 +1,4 @@
-"""`python -m loadtest.script_calls` against the test Redis: both trees measured in the same rounds, each in a
+"""`python -m tools.script_calls` against the test Redis: both trees measured in the same rounds, each in a
 process importing its own `gateway` package, and the table names what a reader compares."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import script_calls
 from loadtest.processes import REPO_ROOT
+from tools import script_calls
 
 pytestmark = pytest.mark.timeout(120)
 
