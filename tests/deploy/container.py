@@ -55,14 +55,19 @@ class Container:
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         self.leader = wait_until(self._find_leader, timeout=30, message=f"nspawn started no init:\n{self.log()}")
-        # `is-system-running --wait` blocks until start-up finished; "degraded" still means systemd runs.
+        # `is-system-running --wait` blocks until start-up finished; "degraded" still means systemd runs. Asked before
+        # systemd's bus is up (a loaded machine), it answers "offline" at once: not yet, ask again.
         state = wait_until(
-            lambda: self.run("systemctl is-system-running --wait", check=False, timeout=timeout).stdout.strip(),
+            lambda: self._system_state(timeout),
             timeout=timeout,
             message=f"the container's systemd did not come up:\n{self.log()}",
         )
         assert state in ("running", "degraded"), f"systemd in the container is {state!r}:\n{self.log()}"
         return self
+
+    def _system_state(self, timeout: float) -> str | None:
+        state = self.run("systemctl is-system-running --wait", check=False, timeout=timeout).stdout.strip()
+        return None if state in ("", "offline") else state
 
     def _find_leader(self) -> int | None:
         assert self._proc is not None
