@@ -303,7 +303,10 @@ class ScriptLane:
         self._stall_timer = loop.call_at(self._pending[0][1] + self._stall_after, self._check_stall, loop)
 
     def _check_stall(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._stall_timer = None
+        # Run by the timer, or early by a call (the timer not run yet): either way that timer is done with.
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         if not self._pending:
             return
         now = loop.time()
