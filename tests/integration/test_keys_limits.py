@@ -46,6 +46,7 @@ SHORT_WINDOW = 8
 LONG_WINDOW = 60
 GUARD_LIMIT = 5
 GUARD_BLOCK = 2
+BURST_ATTEMPTS = 3  # bursts made before a loaded machine fails the exactness test
 SECRET_RE = re.compile(r"sk-[A-Za-z0-9_-]{43}")
 DISPLAY_LEN = len("sk-") + 6
 # A well-formed secret that no key has.
@@ -226,22 +227,30 @@ async def test_requests_limit_is_exact_across_two_gateways(
 ) -> None:
     rpm = 10
     flags = ["--rpm", str(rpm), "--tpm", "0", "--max-concurrency", "0"]
-    secret = (await asyncio.to_thread(create_keys, redis_clean, {"burst": flags}))["burst"]
-    headers = auth(secret, "198.51.100.1")
     targets = [urls["a"], urls["b"]]
     async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=200)) as client:
-        for url in targets:  # warm both key caches without spending requests (/v1/models is not limited)
-            assert (await client.get(f"{url}/v1/models", headers=headers)).status_code == 200
-        started = time.monotonic()
-        responses = await asyncio.gather(
-            *(
-                client.post(f"{targets[i % 2]}/v1/completions", json=completion(), headers=headers)
-                for i in range(5 * rpm)
+        # One request frees every window/rpm seconds, so a burst slower than that would rightly admit more: a
+        # burst slowed by a loaded machine proves nothing, and is made again with a fresh key.
+        for attempt in range(BURST_ATTEMPTS):
+            secret = (await asyncio.to_thread(create_keys, redis_clean, {f"burst-{attempt}": flags}))[
+                f"burst-{attempt}"
+            ]
+            headers = auth(secret, "198.51.100.1")
+            await asyncio.to_thread(engine.reset)
+            for url in targets:  # warm both key caches without spending requests (/v1/models is not limited)
+                assert (await client.get(f"{url}/v1/models", headers=headers)).status_code == 200
+            started = time.monotonic()
+            responses = await asyncio.gather(
+                *(
+                    client.post(f"{targets[i % 2]}/v1/completions", json=completion(), headers=headers)
+                    for i in range(5 * rpm)
+                )
             )
-        )
-        burst = time.monotonic() - started
-        # One request frees every window/rpm seconds; a burst slower than that would rightly admit more.
-        assert burst < SHORT_WINDOW / rpm, f"the burst took {burst:.2f} s, too slow to test exactness"
+            burst = time.monotonic() - started
+            if burst < SHORT_WINDOW / rpm:
+                break
+        else:
+            pytest.fail(f"{BURST_ATTEMPTS} bursts took {burst:.2f} s or more, too slow to test exactness")
         refused = [r for r in responses if r.status_code != 200]
         assert len(responses) - len(refused) == rpm, sorted(r.status_code for r in responses)
         retry_after = 0
