@@ -225,7 +225,7 @@ def main(args: Sequence[str] | None = None) -> int:
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="python -m loadtest.gpu.bench")  # type: ignore[no-untyped-call]
+    parser = FlexibleArgumentParser(prog="python -m loadtest.gpu.bench")
     serve.add_cli_args(parser)
     serve.main(parser.parse_args(list(sys.argv[1:] if args is None else args)))
     return 0

@@ -61,7 +61,7 @@ async def request_openai_responses(
             if response.status != 200:
                 output.error = response.reason or str(response.status)
                 return output
-            handler = StreamedResponseHandler()  # type: ignore[no-untyped-call]
+            handler = StreamedResponseHandler()
             async for chunk in response.content.iter_any():
                 for message in handler.add_chunk(chunk):
                     data = sse_data(message)
