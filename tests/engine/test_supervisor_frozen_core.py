@@ -18,7 +18,7 @@ import pytest
 
 from gateway.supervisor.process import group_members, shared_memory_inodes
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.stacks import engine_core_pid, share_flag_list
+from tests.engine.stacks import engine_core_pid
 from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -44,7 +44,7 @@ def shm_inodes_now() -> set[int]:
 
 @pytest.fixture(scope="module")
 def supervisor(demo_model_dir: str) -> Iterator[ServerProcess]:
-    share_flag_list(STATE_DIR)
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {
         "NEMOTRON_ENGINE__MODEL": demo_model_dir,

