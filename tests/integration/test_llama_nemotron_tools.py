@@ -29,9 +29,8 @@ from tests.procs import REPO_ROOT
 from tools import demo_model
 
 # Importing vLLM in this process (its renderer and parser are what is checked) imports torch, which warns of its own
-# deprecations.
+# deprecations. Not the `engine` tier (no `vllm serve`): it runs beside that tier's chain of engine starts.
 pytestmark = [
-    pytest.mark.engine,
     pytest.mark.timeout(600),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
