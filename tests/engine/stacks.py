@@ -47,6 +47,9 @@ def up_settings(
         "NEMOTRON_WORKERS": "1",
         "NEMOTRON_REDIS_URL": redis_url,
         "NEMOTRON_RELAY__PROBE_INTERVAL": "0.5",
+        # vLLM's verdict on the command line is one more import of vLLM beside each start (20-60 s of a core):
+        # test_stack.py, the whole product, asks it; the modules that test something else do not.
+        "NEMOTRON_ENGINE__RUN_DOCTOR": "false",
         "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
         "HF_HUB_OFFLINE": "1",
     }

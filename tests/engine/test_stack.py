@@ -35,6 +35,7 @@ MODEL = "nemotron"
 # The engine's own key: the supervisor starts vLLM with it, the gateway and the supervisor's probe send it.
 ENGINE_KEY = f"engine-{uuid.uuid4().hex}"
 STATE_DIR = CACHE_ROOT / "engine-tests"
+VERDICTS = "vllm-verdict-*.txt"  # the doctor's cache of vLLM's verdicts, in the state dir
 
 
 @dataclass
@@ -69,8 +70,11 @@ def stack(demo_model_dir: str, redis_url: str) -> Iterator[Stack]:
             # vLLM logs "Aborted request" only with this: the disconnect tests read it.
             "NEMOTRON_ENGINE__EXTRA_ARGS": '["--enable-log-requests"]',
             "NEMOTRON_ENGINE_API_KEY": ENGINE_KEY,
+            "NEMOTRON_ENGINE__RUN_DOCTOR": "true",  # the default: vLLM's verdict beside the start
         }
     )
+    for verdict in STATE_DIR.glob(VERDICTS):  # asked afresh, not read from an earlier run's cache
+        verdict.unlink()
     with running_up(env, key_prefix="engine-tier") as (proc, key):
         yield Stack(proc, f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{engine_port}", key, env)
 
@@ -104,6 +108,15 @@ def test_sdk_chat_stream_and_completion_through_the_gateway(stack: Stack) -> Non
         assert [m.id for m in sdk.models.list()] == [MODEL]
     metrics = httpx.get(f"{stack.gateway}/metrics").text
     assert 'nemotron_gateway_tokens_total{kind="completion"}' in metrics
+
+
+def test_vllms_verdict_on_the_command_line_is_asked_beside_the_start(stack: Stack) -> None:
+    # The doctor's import of vLLM runs beside the engine's and may end after /ready; its answer is cached in the
+    # state dir, what a hand-run `doctor` then reads.
+    verdicts = wait_until(lambda: list(STATE_DIR.glob(VERDICTS)), timeout=240, interval=1, message="no verdict")
+    answer = json.loads(verdicts[0].read_text())
+    assert "argv_error" not in answer, answer
+    assert answer["given"]["max_model_len"] == 2048 and answer["given"]["architecture"] == "NemotronForCausalLM"
 
 
 def test_a_token_budget_is_reconciled_to_the_usage_vllm_reports(stack: Stack) -> None:

@@ -57,6 +57,7 @@ def supervisor(demo_model_dir: str) -> Iterator[ServerProcess]:
         "NEMOTRON_ENGINE__HEALTH_INTERVAL": str(INTERVAL),
         "NEMOTRON_ENGINE__STALL_TIMEOUT": str(STALL),
         "NEMOTRON_ENGINE__BACKOFF_INITIAL": "0.5",
+        "NEMOTRON_ENGINE__RUN_DOCTOR": "false",  # asked in test_stack.py; here one import of vLLM fewer a start
         "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
         "HF_HUB_OFFLINE": "1",
     }

@@ -56,6 +56,7 @@ def test_profiles_give_one_row_per_profile(
 ) -> None:
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(CACHE_ROOT / "vllm"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("NEMOTRON_ENGINE__RUN_DOCTOR", "false")  # asked in tests/engine/test_stack.py
     profiles_file = tmp_path / "profiles.toml"
     profiles_file.write_text(PROFILES)
     out = tmp_path / "out"
@@ -68,7 +69,6 @@ def test_profiles_give_one_row_per_profile(
             demo_model,
             "--profiles-file",
             str(profiles_file),
-            # Kept between runs: the supervisor caches vLLM's flag list there (~30 s to read once).
             "--state-dir",
             str(CACHE_ROOT / "loadtest-engine"),
             "--start-timeout",
