@@ -1,11 +1,19 @@
-"""The shipped scrape config against the real `vllm serve` (CPU build, demo model) under `nemotron-gateway up`:
-vLLM's own metrics reach a real Prometheus through the gateway's /metrics/engine relay, as their own job, and
-the dashboard's engine panels have data. One engine start.
+"""The shipped scrape config and priority scheduling against the real `vllm serve` (CPU build, demo model) under
+`nemotron-gateway up`, one engine start with `--scheduling-policy priority` (cpu-dev + NEMOTRON_ENGINE__EXTRA_ARGS,
+as an operator would) and admission on:
+- vLLM's own metrics reach a real Prometheus through the gateway's /metrics/engine relay, as their own job, and the
+  dashboard's engine panels have data;
+- the supervisor records the policy it launched, the gateway learns it and sends the key's priority, and vLLM
+  serves it.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +23,7 @@ import pytest
 
 from deploy.grafana.dashboard import load_dashboard, panel_queries
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.stacks import running_up, up_settings
+from tests.engine.stacks import gateway_cli, running_up, up_settings
 from tests.integration.test_monitoring import PROMETHEUS_DIR, _prometheus, _scrape_config
 from tests.procs import free_port, wait_until
 
@@ -42,8 +50,16 @@ def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
     return result
 
 
+@dataclass
+class Stack:
+    gateway: str
+    engine: str
+    env: dict[str, str]
+    prometheus: str
+
+
 @pytest.fixture(scope="module")
-def prometheus(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def stack(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("vllm-monitoring")
     engine_port, gateway_port, supervisor_port = free_port(), free_port(), free_port()
     state_dir = CACHE_ROOT / "engine-tests-monitoring"
@@ -51,6 +67,9 @@ def prometheus(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.Tem
         demo_model_dir, redis_url, engine_port=engine_port, gateway_port=gateway_port, state_dir=state_dir
     )
     env["NEMOTRON_ENGINE__METRICS_PORT"] = str(supervisor_port)
+    env["NEMOTRON_ENGINE__EXTRA_ARGS"] = '["--scheduling-policy","priority"]'
+    # Admission on, with room: the engine's gauges are read and published on every probe.
+    env["NEMOTRON_ADMISSION__MAX_WAITING"] = "64"
     rules = Path(workdir / "alerts.yml")
     rules.write_text((PROMETHEUS_DIR / "alerts.yml").read_text())
     with (
@@ -62,7 +81,12 @@ def prometheus(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.Tem
             _traffic(gateway_port, key)
         except openai.APIError as exc:
             pytest.fail(f"{exc}; the stack's output:\n{proc.tail(200)}", pytrace=False)
-        yield url
+        yield Stack(f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{engine_port}", env, url)
+
+
+@pytest.fixture
+def prometheus(stack: Stack) -> str:
+    return stack.prometheus
 
 
 def _traffic(gateway_port: int, key: str) -> None:
@@ -106,3 +130,32 @@ def test_every_panel_but_the_gpus_has_data_on_the_real_engine(prometheus: str) -
         wait_until(lambda: not empty(), timeout=60, interval=1.0)
     except AssertionError:
         pytest.fail(f"panels without data: {empty()}", pytrace=False)
+
+
+def test_a_priority_5_key_is_served_by_vllm_under_priority_scheduling(stack: Stack) -> None:
+    status = json.loads((Path(stack.env["NEMOTRON_ENGINE__STATE_DIR"]) / "engine.json").read_text())
+    assert status["scheduling_policy"] == "priority"
+    name = f"engine-batch-{uuid.uuid4().hex[:8]}"
+    created = gateway_cli(stack.env, "keys", "create", "--name", name, "--priority", "5")
+    assert created.returncode == 0, created.stderr
+    headers = {"Authorization": f"Bearer {created.stdout.strip().splitlines()[-1]}"}
+    try:
+        body = {"model": "nemotron", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        response = httpx.post(f"{stack.gateway}/v1/chat/completions", json=body, headers=headers, timeout=120)
+        assert response.status_code == 200, response.text
+        # vLLM itself takes a non-zero priority under this policy.
+        direct = httpx.post(
+            f"{stack.engine}/v1/completions",
+            json={"model": "nemotron", "prompt": "Hi", "max_tokens": 1, "priority": 5},
+            timeout=120,
+        )
+        assert direct.status_code == 200, direct.text
+        metrics = httpx.get(f"{stack.gateway}/metrics", timeout=10).text
+        assert re.search(r'^nemotron_gateway_priority_sent_total\{field="sent",tier="2"\} [1-9]', metrics, re.M)
+        # The engine's load as vLLM's own gauges say, published by the monitor's scrape.
+        wait_until(
+            lambda: 'nemotron_gateway_engine_load{figure="running"}' in httpx.get(f"{stack.gateway}/metrics").text,
+            timeout=10,
+        )
+    finally:
+        gateway_cli(stack.env, "keys", "revoke", name)
