@@ -94,12 +94,15 @@ def test_a_hung_engine_core_stays_not_ready_in_every_worker_until_it_generates(
 def test_the_idle_generation_probe_is_sent_once_per_gateway_per_interval(
     gateway: tuple[ServerProcess, str], engine: FakeEngineControl
 ) -> None:
+    started = time.monotonic()
     before = engine.stats()["generation_probes"]
     time.sleep(5.0)
     probes = engine.stats()["generation_probes"] - before
+    # The window the two reads span: on a loaded machine a read of the engine's stats can itself take seconds.
+    window = time.monotonic() - started
     # An idle gateway probes when it has seen the engine quiet for a probe interval: at most one per interval
     # (one per worker would be twelve).
-    assert 1 <= probes <= 5.0 / PROBE_INTERVAL + 1, probes
+    assert 1 <= probes <= window / PROBE_INTERVAL + 1, (probes, round(window, 2))
 
 
 def test_a_stop_signal_to_the_pool_turns_every_worker_not_ready_at_once(
