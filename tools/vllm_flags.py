@@ -18,19 +18,20 @@ from pathlib import Path
 
 from gateway.engine.launch import SHIPPED_FLAG_LISTS, installed_vllm, read_flag_list
 
-
-def shipped_list_path(version: str) -> Path:
-    """Where the shipped flag list of vLLM release `version` (distribution-version) lives in this source tree."""
-    return Path(str(resources.files("gateway.engine").joinpath(SHIPPED_FLAG_LISTS, f"{version}.txt")))
+# The shipped lists, in this source tree.
+SHIPPED_DIR = Path(str(resources.files("gateway.engine").joinpath(SHIPPED_FLAG_LISTS)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Write the installed vLLM's flag list; print its path."""
     parser = argparse.ArgumentParser(prog="python -m tools.vllm_flags", description=__doc__.splitlines()[0])
     parser.add_argument("--python", default=sys.executable, help="the interpreter that has vLLM (default: this one)")
+    parser.add_argument(
+        "--out", type=Path, default=SHIPPED_DIR, help=f"the folder to write it to (default: {SHIPPED_DIR})"
+    )
     args = parser.parse_args(argv)
     version, launcher = installed_vllm(args.python)
-    path = shipped_list_path(version)
+    path = args.out / f"{version}.txt"
     path.write_text(read_flag_list(launcher, version) + "\n")
     sys.stdout.write(f"{path}\n")
     return 0
