@@ -8,6 +8,7 @@ same server as `vllm serve` and takes the same flags.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -153,8 +154,7 @@ def accepted_flags(launcher: list[str], version: str, cache_dir: Path) -> frozen
     shipped = shipped_flag_list(version)
     if shipped is not None:
         return shipped
-
-    read = lambda: read_flag_list(launcher, version)  # noqa: E731
+    read = functools.partial(read_flag_list, launcher, version)
     return frozenset(cached(cache_dir, f"vllm-flags-{version}", f"{launcher[0]}\0{version}", read).split())
 
 
