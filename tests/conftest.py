@@ -40,13 +40,20 @@ def _redis_server_binary() -> str | None:
 
 
 # Under pytest-xdist (`-n N --dist loadgroup`, scripts/test) the tests of one group run on one worker, in order.
-# The real-vLLM tier is one group, collected first so it is handed out first: it is the longest chain, and one CPU
-# engine at a time is what two cores carry. Every other module is a group of its own (its module fixtures start
-# once), except the modules whose fake engines make /dev/shm files (`--spawn-child`) and that count them by name
-# before and after (another worker's would add some): those share one group, so none runs beside another. Groups
-# go by path, as the scheduler sees only node ids.
+# The real-vLLM tier is two groups, two chains of engine starts of about the same length (fresh-clone runs on the
+# 2-core machine: 7-8 minutes each), collected first so they are handed out first: one chain was the longest pole
+# of the suite, its last minutes alone on the machine. Every other module is a group of its own (its module
+# fixtures start once), except the modules whose fake engines make /dev/shm files (`--spawn-child`) and that count
+# them by name before and after (another worker's would add some): those share one group, so none runs beside
+# another. Groups go by path, as the scheduler sees only node ids.
 ENGINE_GROUP = "real-vllm"
 ENGINE_PATHS = ("tests/engine/", "tests/loadtest/test_profiles.py")
+# The modules of the second chain; the rest of ENGINE_PATHS is ENGINE_GROUP.
+SECOND_ENGINE_GROUP = "real-vllm-2"
+SECOND_ENGINE_MODULES = frozenset(
+    {"tests/engine/test_stack.py", "tests/engine/test_monitoring_vllm.py", "tests/engine/test_nemotron_h_preset.py"}
+)
+ENGINE_GROUPS = frozenset({ENGINE_GROUP, SECOND_ENGINE_GROUP})
 SHM_COUNTING_GROUP = "fake-engine-shm"
 SHM_COUNTING_MODULES = frozenset(
     {
@@ -63,7 +70,7 @@ def xdist_group_of(nodeid: str) -> str:
     """The xdist group of the test `nodeid` (see ENGINE_GROUP)."""
     module = nodeid.split("::", 1)[0]
     if module.startswith(ENGINE_PATHS):
-        return ENGINE_GROUP
+        return SECOND_ENGINE_GROUP if module in SECOND_ENGINE_MODULES else ENGINE_GROUP
     return SHM_COUNTING_GROUP if module in SHM_COUNTING_MODULES else module
 
 
@@ -85,13 +92,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In an xdist worker (where collection happens; it has `workerinput`), collect the real-vLLM tier first. A test
-    marked `engine` outside ENGINE_PATHS would run beside it: it is refused."""
+    marked `engine` outside ENGINE_PATHS would run beside its chains: it is refused."""
     if not hasattr(config, "workerinput"):
         return
     for item in items:
-        if item.get_closest_marker("engine") is not None and xdist_group_of(item.nodeid) != ENGINE_GROUP:
+        if item.get_closest_marker("engine") is not None and xdist_group_of(item.nodeid) not in ENGINE_GROUPS:
             raise pytest.UsageError(f"{item.nodeid} is marked engine: add its module to ENGINE_PATHS in {__file__}")
-    items.sort(key=lambda item: xdist_group_of(item.nodeid) != ENGINE_GROUP)  # stable: the order within a group stays
+    # Stable: the order within a group stays.
+    items.sort(key=lambda item: xdist_group_of(item.nodeid) not in ENGINE_GROUPS)
 
 
 def _xdist_workers() -> int:
