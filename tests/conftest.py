@@ -40,9 +40,9 @@ def _redis_server_binary() -> str | None:
 
 
 # Under pytest-xdist (`-n N --dist loadgroup`, scripts/test) the tests of one group run on one worker, in order.
-# The real-vLLM tier is two groups, two chains of engine starts of about the same length (fresh-clone runs on the
-# 2-core machine: 7-8 minutes each), collected first so they are handed out first: one chain was the longest pole
-# of the suite, its last minutes alone on the machine. Every other module is a group of its own (its module
+# The real-vLLM tier is two groups, two chains of engine starts of about the same length (the tier alone on the
+# 2-core machine, two workers: 6:56), collected first so they are handed out first: as one chain it was the
+# longest pole of the suite, its last minutes alone on the machine. Every other module is a group of its own (its module
 # fixtures start once), except the modules whose fake engines make /dev/shm files (`--spawn-child`) and that count
 # them by name before and after (another worker's would add some): those share one group, so none runs beside
 # another. Groups go by path, as the scheduler sees only node ids.
