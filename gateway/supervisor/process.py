@@ -234,7 +234,10 @@ class GuardedProcess:
         self._output: asyncio.ReadTransport | None = None
         self._command_pid: int | None = None
         self._shm_seen: set[int] = set()
+        self._ending: asyncio.Future[int] | None = None
         self.stopping = False
+        # True once the reaper was found killed with its group still running (that group was then ended).
+        self.orphaned = False
 
     @property
     def pid(self) -> int | None:
@@ -297,9 +300,25 @@ class GuardedProcess:
                 self._on_line(line)
 
     async def wait(self) -> int:
-        """Wait for the command (and its reaper) to end; its exit code."""
+        """Wait for the command (and its reaper) to end and its group to be gone; its exit code.
+
+        Any number of callers may wait; the clean-up after the reaper's end runs once."""
+        assert self._proc is not None
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(self._end())
+        return await asyncio.shield(self._ending)
+
+    async def _end(self) -> int:
         assert self._proc is not None
         code = await self._proc.wait()
+        group = self._proc.pid
+        if code < 0 and group_members(group):
+            # The reaper alone was killed (`kill -9` of its pid): the group it led runs on, holding the engine's
+            # port and memory, and nothing else would ever end it.
+            self.orphaned = True
+            logger.error("engine reaper %d was killed by signal %d; ending its process group", group, -code)
+            await asyncio.to_thread(terminate_group, group, self.grace, seen=self._shm_seen)
+            self._shm_seen = set()
         if self._reader is not None:
             # The rest of the output, up to EOF. A process that left the group may hold the pipe open for good:
             # the engine's end is reported without it.
@@ -315,9 +334,9 @@ class GuardedProcess:
         if code < 0 and self._shm_seen:
             # The reaper was killed with its group (`kill -9 -PGID`, the OOM killer): nobody removed the group's
             # /dev/shm files, so we do, once the group is gone (remove_files spares any a live process holds).
-            await self._wait_group_gone(self._proc.pid)
+            await self._wait_group_gone(group)
             removed = remove_files(set(), self._shm_seen)
-            logger.warning("process group %d was killed; removed %d /dev/shm file(s) it held", self._proc.pid, removed)
+            logger.warning("process group %d was killed; removed %d /dev/shm file(s) it held", group, removed)
             self._shm_seen = set()
         return code
 
@@ -339,9 +358,13 @@ class GuardedProcess:
             await asyncio.sleep(0.02)
 
     async def stop(self) -> int | None:
-        """SIGTERM the group (the reaper then waits `grace` and SIGKILLs the rest); SIGKILL if the reaper hangs."""
-        if self._proc is None or self._proc.returncode is not None:
-            return self.returncode
+        """SIGTERM the group (the reaper then waits `grace` and SIGKILLs the rest); SIGKILL if the reaper hangs.
+
+        When the reaper has already ended, this waits for what `wait()` does after it (a group left running ended)."""
+        if self._proc is None:
+            return None
+        if self._proc.returncode is not None:
+            return await self.wait()
         self.stopping = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self._proc.pid, signal.SIGTERM)
@@ -359,7 +382,10 @@ class GuardedProcess:
         let go long before the end), so it removes them once the group is gone and then exits. Only when
         it does not exit within `_REAPER_CLEANUP` s is it killed too.
         """
-        if self._proc is None or self._proc.returncode is not None:
+        if self._proc is None:
+            return
+        if self._proc.returncode is not None:
+            await self.wait()
             return
         self.stopping = True
         reaper = self._proc.pid

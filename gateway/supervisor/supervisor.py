@@ -311,6 +311,8 @@ class EngineSupervisor:
                     await asyncio.wait((exited,), timeout=_EXIT_GRACE + (self.settings.stop_grace if vllm else 0))
                 if exited.done():
                     # Any exit we did not ask for is a crash: vLLM exits 0 when its engine core dies.
+                    if self.process.orphaned:
+                        return self._ended(RestartCause.CRASH, "its reaper was killed; the engine's group was ended")
                     return self._ended(RestartCause.CRASH, "exited")
                 if lost in done:
                     pid = lost.result()
@@ -405,10 +407,12 @@ class EngineSupervisor:
     async def _stop(self) -> None:
         """Stop the engine's group (if it still runs) and see every GPU's memory of it freed."""
         ended, self.status.processes = self.status.processes, []
-        if self.process is not None and self.process.returncode is None:
-            self._set_state(EngineState.STOPPING)
-            if self.force_exit:
-                await self.process.kill()
+        if self.process is not None:
+            if self.process.returncode is None:
+                self._set_state(EngineState.STOPPING)
+                if self.force_exit:
+                    await self.process.kill()
+            # Also when the reaper has ended: a group it left running (its reaper killed alone) is ended here.
             self.status.last_exit_code = await self.process.stop()
         await wait_gpu_memory_released(ended)
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.supervised import engine_status_text, fake_shm_files, group_alive, start_supervisor, status
-from tests.procs import free_port, wait_until
+from tests.procs import ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -76,3 +77,65 @@ def test_the_status_stops_saying_ready_as_soon_as_vllm_dies(state_dir: Path) -> 
     finally:
         code = supervisor.stop()
     assert code == 0
+
+
+def _start_with_helpers(state_dir: Path, port: int) -> ServerProcess:
+    """A supervised engine of three processes (stop grace 2 s), once all three are watched."""
+    supervisor = start_supervisor(
+        state_dir, port, NEMOTRON_ENGINE__EXTRA_ARGS=THREE_PROCESSES, NEMOTRON_ENGINE__STOP_GRACE="2"
+    )
+    try:
+        wait_until(lambda: len(_helpers(state_dir)) == 2, timeout=10, message="the helpers are not watched")
+    except BaseException:
+        supervisor.stop()
+        raise
+    return supervisor
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_kill_9_of_the_reaper_alone_ends_its_group_and_restarts_the_engine(state_dir: Path) -> None:
+    # The reaper is the only process that would end the engine's group; killed alone, it leaves vLLM serving with
+    # nobody to stop it, so the supervisor ends that group itself and starts a new engine on a free port.
+    port = free_port()
+    before = fake_shm_files()
+    supervisor = _start_with_helpers(state_dir, port)
+    try:
+        reaper = int(str(status(state_dir)["group_pid"]))
+        old = group_alive(reaper)
+        held = {f"fake-engine-{pid}" for pid in _helpers(state_dir)}
+        assert held <= fake_shm_files()
+
+        os.kill(reaper, signal.SIGKILL)
+        wait_until(lambda: status(state_dir).get("restarts") == 1, timeout=15, message=supervisor.log_text()[-3000:])
+        last = status(state_dir)["history"][-1]  # type: ignore[index]
+        assert last["cause"] == "crash" and "reaper was killed" in last["reason"], last
+        assert group_alive(reaper) == [], "the old engine's group must be gone before the restart"
+        assert held & fake_shm_files() == set(), "the old helpers' /dev/shm files must be removed"
+        wait_until(lambda: status(state_dir).get("state") == "ready", timeout=20)
+        wait_until(lambda: len(_helpers(state_dir)) == 2, timeout=10)
+        assert set(_processes(state_dir)).isdisjoint(old)
+        assert status(state_dir)["restarts"] == 1, supervisor.log_text()[-3000:]
+    finally:
+        code = supervisor.stop()
+    assert code == 0
+    assert fake_shm_files() - before == set()
+
+
+def test_stop_just_after_the_reaper_was_killed_leaves_no_process_and_frees_the_port(state_dir: Path) -> None:
+    port = free_port()
+    before = fake_shm_files()
+    supervisor = _start_with_helpers(state_dir, port)
+    try:
+        reaper = int(str(status(state_dir)["group_pid"]))
+        assert _listening(port)
+        os.kill(reaper, signal.SIGKILL)
+    finally:
+        code = supervisor.stop()
+    assert code == 0, supervisor.log_text()[-3000:]
+    assert group_alive(reaper) == [], "a process of the engine outlived the supervisor's stop"
+    assert not _listening(port), "the engine's port is still held"
+    assert fake_shm_files() - before == set()
