@@ -144,6 +144,25 @@ def test_up_restarts_an_exited_gateway_and_keeps_the_engine(
     assert "HTTP Request:" not in log
 
 
+def test_up_ends_and_restarts_a_gateway_whose_reaper_was_killed(
+    up_stack: tuple[ServerProcess, int, int], state_dir: Path
+) -> None:
+    # Killed alone, the gateway's reaper leaves its gateway and workers serving with nobody to end them: `up` ends
+    # that group itself and starts a new gateway on the freed port, the engine untouched.
+    proc, _, gateway_port = up_stack
+    engine_pid = status(state_dir)["engine_pid"]
+    first = wait_until(lambda: gateway_server_pid(proc.pid), timeout=10)
+    reaper = os.getpgid(first)
+    assert reaper != first and reaper != proc.pid
+    os.kill(reaper, signal.SIGKILL)
+    wait_until(lambda: "restarting it in" in proc.log_text(), timeout=30, message=proc.log_text()[-3000:])
+    assert group_alive(reaper) == [], "the old gateway's processes must be gone before the restart"
+    wait_until(lambda: gateway_server_pid(proc.pid) not in (None, first), timeout=30)
+    wait_until(lambda: answers_ready(gateway_port), timeout=30)
+    assert proc.running
+    assert status(state_dir)["engine_pid"] == engine_pid, "the engine was not restarted"
+
+
 def test_group_killed_from_outside_leaves_no_shared_memory(state_dir: Path) -> None:
     # `kill -9 -PGID` or the OOM killer takes the reaper too: the supervisor removes what the group held.
     port = free_port()
