@@ -3,12 +3,13 @@
 Run where the stack runs (the GPU machine): for every round and concurrency, one point against each
 target in alternating order (ABBA), every point with its own seed so no point meets prompts that an
 earlier one left in vLLM's prefix cache; random prompts of a fixed length, `ignore_eos`, streamed chat
-(loadtest/gpu/bench.py). Then, optionally, the highest concurrency split over two client processes per target
-(the same total tokens/s says one client was not the bottleneck; each client's own CPU is recorded too) and a
-Responses API point per target (a route that is not served is recorded, not run). CPU seconds per 1,000 output
-tokens are read for the gateway's processes and vLLM's API-server processes (descendants of `--root-pid`, told
-apart by command line). Writes sweep.json and sweep.md into `--out` after every point. Speaks HTTP only; imports
-nothing from `gateway`.
+(loadtest/gpu/bench.py), one client process per `--streams-per-client` streams (one process near a core at 256
+streams bounded an earlier run). Then, optionally, the client check: the highest concurrency again over twice as
+many client processes per target (the same total tokens/s says the clients were not the bottleneck; each client's
+own CPU is recorded too), and a Responses API point per target (a route that is not served is recorded, not
+run). CPU seconds per 1,000 output tokens are read for the gateway's processes and vLLM's API-server processes
+(descendants of `--root-pid`, told apart by command line). Writes sweep.json and sweep.md into `--out` after
+every point. Speaks HTTP only; imports nothing from `gateway`.
 """
 
 from __future__ import annotations
@@ -34,9 +35,19 @@ _ROLES = ("gateway", "vllm-api", "engine-core")
 # concurrency, with no errors, and at most this much added TTFT p50 at concurrency 1.
 GOAL_TOKENS_SHARE = 0.99
 GOAL_ADDED_TTFT_C1_MS = 1.0
-# Two client processes splitting a point's streams give the same total tokens/s as one, within this share, when
-# one client was not what bounded it.
+# Twice the client processes splitting a point's streams give the same total tokens/s, within this share, when the
+# clients were not what bounded it.
 CLIENT_CHECK_TOLERANCE = 0.05
+
+
+def clients_for(concurrency: int, streams_per_client: int) -> int:
+    """How many `vllm bench serve` processes drive a point of `concurrency` streams: one per `streams_per_client`."""
+    return max(1, -(-concurrency // streams_per_client))
+
+
+def shares(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` whole shares that differ by one at most and add up to it."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 def children_by_parent() -> dict[int, list[int]]:
@@ -108,25 +119,27 @@ def run_point(
     *,
     clients: int = 1,
     api: str = "chat",
+    check: bool = False,
     timeout_s: float = 240.0,
 ) -> dict[str, Any]:
     """One load point driven by `vllm bench serve` (split over `clients` processes, each its share of the streams
-    and prompts, seeds apart); vLLM's figures, the client processes' CPU, and the CPU each role spent during it."""
+    and prompts, seeds apart); vLLM's figures, the client processes' CPU, and the CPU each role spent during it.
+    `check`: a point of the client check, not one the goals judge."""
     prompts = max(args.min_requests, args.prompts_per_stream * concurrency)
     url = args.direct if target == "direct" else args.gateway
     loads = [
         bench.Load(
             base_url=url,
             tokenizer=args.tokenizer,
-            concurrency=concurrency // clients,
-            prompts=prompts // clients,
+            concurrency=streams,
+            prompts=share,
             input_len=args.input_len,
             output_len=args.max_tokens,
             seed=seed * 10 + i,
             api=api,
-            warmups=min(concurrency // clients, 16),
+            warmups=min(streams, 16),
         )
-        for i in range(clients)
+        for i, (streams, share) in enumerate(zip(shares(concurrency, clients), shares(prompts, clients), strict=True))
     ]
     processes = stack_processes(args.root_pid)
     before = cpu_by_role(processes)
@@ -143,24 +156,27 @@ def run_point(
         errors.update(r.get("errors") or {})
         if r.get("completed") is None:
             errors[f"bench exited {r['returncode']}{' (time box)' if r['timed_out'] else ''}"] += 1
+    # Several clients: the median of their own percentiles (each saw its share of the same load).
+    percentile = {
+        name: _median([r[name] for r in results if r.get(name) is not None])
+        for name in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    }
     first = results[0]
     return {
         "target": target,
         "api": api,
         "clients": clients,
+        "check": check,
         "concurrency": concurrency,
         "seed": seed,
-        "requests": prompts // clients * clients,
+        "requests": prompts,
         "ok": sum(r.get("completed") or 0 for r in results),
         "errors": dict(errors),
-        # Two clients run side by side: their tokens over the longer one's duration.
+        # Clients run side by side: their tokens over the longest one's duration.
         "output_tokens_per_s": tokens / max((r.get("duration_s") or 0.0 for r in results), default=0.0)
         if tokens
         else 0.0,
-        "ttft_p50_ms": first.get("ttft_p50_ms") or float("nan"),
-        "ttft_p99_ms": first.get("ttft_p99_ms") or float("nan"),
-        "itl_p50_ms": first.get("itl_p50_ms") or float("nan"),
-        "itl_p99_ms": first.get("itl_p99_ms") or float("nan"),
+        **percentile,
         "wall_s": round(wall, 2),
         "client_cpu": [r["client"] for r in results],
         "prompts_realigned": any(r.get("prompts_realigned") for r in results),
@@ -191,6 +207,7 @@ def responses_status(base_url: str, api_key: str | None, model: str) -> int:
 def _target(point: dict[str, Any]) -> str:
     extra = [point.get("api", "chat")] if point.get("api", "chat") != "chat" else []
     extra += [f"{point['clients']} clients"] if point.get("clients", 1) > 1 else []
+    extra += ["client check"] if point.get("check") else []
     return str(point["target"]) + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -221,13 +238,14 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _chat(points: list[dict[str, Any]], clients: int = 1) -> list[dict[str, Any]]:
-    return [p for p in points if p.get("api", "chat") == "chat" and p.get("clients", 1) == clients]
+def _chat(points: list[dict[str, Any]], *, check: bool = False) -> list[dict[str, Any]]:
+    """The chat points the goals judge, or (`check`) those of the client check."""
+    return [p for p in points if p.get("api", "chat") == "chat" and bool(p.get("check")) == check]
 
 
 def goals(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per concurrency, medians over rounds of the one-client chat points: gateway tokens/s as a share of direct,
-    added TTFT and ITL p50 (gateway minus direct, paired by round), errors; each against the goals."""
+    """Per concurrency, medians over rounds of the chat points (the client check's left out): gateway tokens/s as a
+    share of direct, added TTFT and ITL p50 (gateway minus direct, paired by round), errors; each against the goals."""
     points = _chat(points)
     rows = []
     for concurrency in sorted({p["concurrency"] for p in points}):
@@ -263,24 +281,24 @@ def goals(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def client_check(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per target, the split run (two client processes, half the streams each) against the one-client points at
-    the same concurrency: the same total tokens/s (within CLIENT_CHECK_TOLERANCE) says one client was not the
-    bottleneck."""
+    """Per target, the client check's run (twice the client processes, each a smaller share of the streams) against
+    the judged points at the same concurrency: the same total tokens/s (within CLIENT_CHECK_TOLERANCE) says their
+    clients were not the bottleneck."""
     rows = []
-    for split in _chat(points, clients=2):
-        single = [
-            p["output_tokens_per_s"]
-            for p in _chat(points)
-            if p["target"] == split["target"] and p["concurrency"] == split["concurrency"]
+    for split in _chat(points, check=True):
+        judged = [
+            p for p in _chat(points) if p["target"] == split["target"] and p["concurrency"] == split["concurrency"]
         ]
-        one = _median(single)
-        ratio = split["output_tokens_per_s"] / one if one else float("nan")
+        tokens = _median([p["output_tokens_per_s"] for p in judged])
+        ratio = split["output_tokens_per_s"] / tokens if tokens else float("nan")
         rows.append(
             {
                 "target": split["target"],
                 "concurrency": split["concurrency"],
-                "one_client_tokens_per_s": one,
-                "two_clients_tokens_per_s": split["output_tokens_per_s"],
+                "clients": judged[0].get("clients", 1) if judged else 0,
+                "tokens_per_s": tokens,
+                "check_clients": split["clients"],
+                "check_tokens_per_s": split["output_tokens_per_s"],
                 "ratio": ratio,
                 "client_bound": not (abs(ratio - 1) <= CLIENT_CHECK_TOLERANCE),
             }
@@ -308,15 +326,16 @@ def goals_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def client_check_markdown(rows: list[dict[str, Any]]) -> str:
-    """The client check: one row per target split over two client processes."""
+    """The client check: one row per target, its judged points against twice the client processes."""
     lines = [
-        "| target | c | tok/s one client | tok/s two clients | two / one | client the bottleneck |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| target | c | clients | tok/s | clients in the check | tok/s | check / judged | clients the bottleneck |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['target']} | {r['concurrency']} | {r['one_client_tokens_per_s']:,.0f} | "
-            f"{r['two_clients_tokens_per_s']:,.0f} | {r['ratio']:.3f} | {'YES' if r['client_bound'] else 'no'} |"
+            f"| {r['target']} | {r['concurrency']} | {r['clients']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['check_clients']} | {r['check_tokens_per_s']:,.0f} | {r['ratio']:.3f} | "
+            f"{'YES' if r['client_bound'] else 'no'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -362,7 +381,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts-per-stream", type=int, default=4)
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1000)
-    parser.add_argument("--split", action="store_true", help="at the highest concurrency, two clients per target")
+    parser.add_argument(
+        "--streams-per-client", type=int, default=128, help="streams one `vllm bench serve` process drives at most"
+    )
+    parser.add_argument(
+        "--split", action="store_true", help="the client check: the highest concurrency with twice the clients"
+    )
     parser.add_argument("--responses-concurrency", type=int, default=0, help="a Responses API point (0: none)")
     parser.add_argument("--point-timeout", type=float, default=240.0, help="seconds one point may take")
     parser.add_argument("--deadline", type=float, default=0.0, help="seconds for the whole sweep (0: none)")
@@ -371,17 +395,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--label", default="", help="what this run's stack is (API servers, gateway workers)")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-    steps: list[tuple[str, int, int, str]] = [(t, c, 1, "chat") for t, c in plan(levels, args.rounds)]
+
+    def clients(concurrency: int) -> int:
+        return clients_for(concurrency, args.streams_per_client)
+
+    steps: list[tuple[str, int, int, str, bool]] = [
+        (t, c, clients(c), "chat", False) for t, c in plan(levels, args.rounds)
+    ]
     if args.split:
-        steps += [(t, max(levels), 2, "chat") for t in ("direct", "gateway")]
+        top = max(levels)
+        steps += [(t, top, min(top, 2 * clients(top)), "chat", True) for t in ("direct", "gateway")]
     if args.responses_concurrency:
-        steps += [(t, args.responses_concurrency, 1, "responses") for t in ("direct", "gateway")]
+        rc = args.responses_concurrency
+        steps += [(t, rc, clients(rc), "responses", False) for t in ("direct", "gateway")]
     points: list[dict[str, Any]] = []
     notes: list[str] = []
     started = time.monotonic()
-    for seed, (target, concurrency, clients, api) in enumerate(steps, start=args.seed + 1):
+    for seed, (target, concurrency, processes, api, check) in enumerate(steps, start=args.seed + 1):
         if args.deadline and time.monotonic() - started > args.deadline:
-            notes.append(f"time box: {target} c={concurrency} x{clients} {api} and later points not run")
+            notes.append(f"time box: {target} c={concurrency} x{processes} {api} and later points not run")
             break
         if api == "responses":
             status = responses_status(
@@ -395,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
         left = args.deadline - (time.monotonic() - started) if args.deadline else args.point_timeout
         timeout = max(min(args.point_timeout, left), 10.0)
-        point = run_point(args, target, concurrency, seed, clients=clients, api=api, timeout_s=timeout)
+        point = run_point(args, target, concurrency, seed, clients=processes, api=api, check=check, timeout_s=timeout)
         points.append(point)
         sys.stdout.write(markdown([point]).splitlines()[-1] + "\n")
         sys.stdout.flush()

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.gpu.chart import draw, medians
-from loadtest.gpu.sweep import client_check, goals, markdown, plan, role_of
+from loadtest.gpu.sweep import client_check, clients_for, goals, markdown, plan, role_of, shares
 
 
 def test_roles_follow_the_command_lines_of_the_stack() -> None:
@@ -79,29 +79,36 @@ def test_goals_pair_rounds_and_judge_each_concurrency() -> None:
     assert by_c[64]["errors"] == 1 and not by_c[64]["meets_goals"]
 
 
-def test_goals_count_only_the_one_client_chat_points() -> None:
+def test_goals_leave_out_the_client_check_and_the_responses_points() -> None:
     points = [
         _point("direct", 64, 5000.0, 60.0),
         _point("gateway", 64, 4980.0, 60.0),
-        # A split run and a Responses point at the same concurrency judge nothing in the goals table.
-        _point("gateway", 64, 1000.0, 90.0, errors=3, clients=2),
+        # The client check's run and a Responses point at the same concurrency judge nothing in the goals table.
+        _point("gateway", 64, 1000.0, 90.0, errors=3, clients=2, check=True),
         _point("gateway", 64, 1000.0, 90.0, api="responses"),
     ]
     [row] = goals(points)
     assert row["gateway_share"] == 0.996 and row["errors"] == 0 and row["meets_goals"]
 
 
-def test_the_client_check_compares_two_clients_with_one() -> None:
+def test_the_client_check_compares_twice_the_clients_with_the_judged_points() -> None:
     points = [
-        _point("direct", 256, 20000.0, 500.0),
-        _point("gateway", 256, 19800.0, 500.0),
-        _point("direct", 256, 20300.0, 500.0, clients=2),
-        _point("gateway", 256, 24000.0, 500.0, clients=2),
+        _point("direct", 256, 20000.0, 500.0, clients=2),
+        _point("gateway", 256, 19800.0, 500.0, clients=2),
+        _point("direct", 256, 20300.0, 500.0, clients=4, check=True),
+        _point("gateway", 256, 24000.0, 500.0, clients=4, check=True),
     ]
     by_target = {row["target"]: row for row in client_check(points)}
-    assert round(by_target["direct"]["ratio"], 3) == 1.015 and not by_target["direct"]["client_bound"]
-    # Two clients drove 21 % more through the gateway: one client was what bounded that point.
+    direct = by_target["direct"]
+    assert (direct["clients"], direct["check_clients"]) == (2, 4)
+    assert round(direct["ratio"], 3) == 1.015 and not direct["client_bound"]
+    # Four clients drove 21 % more through the gateway: two clients were what bounded that point.
     assert by_target["gateway"]["client_bound"]
+
+
+def test_a_point_takes_one_client_per_streams_per_client_and_splits_its_load_whole() -> None:
+    assert [clients_for(c, 128) for c in (1, 16, 64, 128, 129, 256)] == [1, 1, 1, 1, 2, 2]
+    assert shares(256, 2) == [128, 128] and shares(255, 4) == [64, 64, 64, 63] and sum(shares(1024, 3)) == 1024
 
 
 def test_the_plan_interleaves_targets_and_alternates_who_goes_first() -> None:
