@@ -167,6 +167,8 @@ def run_point(
         "api": api,
         "clients": clients,
         "check": check,
+        # Cut by the sweep's own time box: recorded, not judged (what the target did is unknown).
+        "cut": any(r["timed_out"] for r in results),
         "concurrency": concurrency,
         "seed": seed,
         "requests": prompts,
@@ -208,6 +210,7 @@ def _target(point: dict[str, Any]) -> str:
     extra = [point.get("api", "chat")] if point.get("api", "chat") != "chat" else []
     extra += [f"{point['clients']} clients"] if point.get("clients", 1) > 1 else []
     extra += ["client check"] if point.get("check") else []
+    extra += ["cut by the time box"] if point.get("cut") else []
     return str(point["target"]) + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -239,8 +242,8 @@ def _median(values: list[float]) -> float:
 
 
 def _chat(points: list[dict[str, Any]], *, check: bool = False) -> list[dict[str, Any]]:
-    """The chat points the goals judge, or (`check`) those of the client check."""
-    return [p for p in points if p.get("api", "chat") == "chat" and bool(p.get("check")) == check]
+    """The chat points the goals judge, or (`check`) those of the client check; points the time box cut are left out."""
+    return [p for p in points if p.get("api", "chat") == "chat" and bool(p.get("check")) == check and not p.get("cut")]
 
 
 def goals(points: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -79,13 +79,15 @@ def test_goals_pair_rounds_and_judge_each_concurrency() -> None:
     assert by_c[64]["errors"] == 1 and not by_c[64]["meets_goals"]
 
 
-def test_goals_leave_out_the_client_check_and_the_responses_points() -> None:
+def test_goals_leave_out_the_client_check_the_responses_and_the_cut_points() -> None:
     points = [
         _point("direct", 64, 5000.0, 60.0),
         _point("gateway", 64, 4980.0, 60.0),
         # The client check's run and a Responses point at the same concurrency judge nothing in the goals table.
         _point("gateway", 64, 1000.0, 90.0, errors=3, clients=2, check=True),
         _point("gateway", 64, 1000.0, 90.0, api="responses"),
+        # A point the sweep's time box cut says nothing of the target.
+        _point("direct", 64, 0.0, float("nan"), errors=1, cut=True),
     ]
     [row] = goals(points)
     assert row["gateway_share"] == 0.996 and row["errors"] == 0 and row["meets_goals"]
