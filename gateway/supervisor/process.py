@@ -316,7 +316,7 @@ class GuardedProcess:
             # The reaper alone was killed (`kill -9` of its pid): the group it led runs on, holding the engine's
             # port and memory, and nothing else would ever end it.
             self.orphaned = True
-            logger.error("engine reaper %d was killed by signal %d; ending its process group", group, -code)
+            logger.error("reaper %d was killed by signal %d; ending the process group it led", group, -code)
             await asyncio.to_thread(terminate_group, group, self.grace, seen=self._shm_seen)
             self._shm_seen = set()
         if self._reader is not None:
