@@ -399,7 +399,10 @@ class GuardedProcess:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(reaper, signal.SIGKILL)
         await self._wait_group_gone(reaper)
-        remove_files(shm, inodes)
+        # Also the files the group held earlier: a member that died first (the one whose exit asked for this kill)
+        # took its hold with it, and the reaper may not have scanned while it lived.
+        remove_files(shm, inodes | self._shm_seen)
+        self._shm_seen = set()
 
 
 def free_port() -> int:

@@ -33,7 +33,7 @@ _ORPHAN_GRACE = 2.0
 _RESCAN_EVERY = 20.0
 # Seconds at least between two scans that new /dev/shm files trigger: vLLM's start creates dozens, other
 # processes on the host create theirs too; what the group creates it holds far longer than this.
-_MIN_SCAN_GAP = 1.0
+MIN_SCAN_GAP = 1.0
 # Without a pidfd (Linux < 5.3) the command's exit is looked for this often instead of waited on.
 _POLL_WITHOUT_PIDFD = 0.1
 _SHM_DIR = b"/dev/shm"
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if wake_read in ready:
             _read_some(wake_read)
         if shm_watch is not None and shm_watch in ready and _read_some(shm_watch) is not None:
-            scan_at = min(scan_at, scanned_at + _MIN_SCAN_GAP)
+            scan_at = min(scan_at, scanned_at + MIN_SCAN_GAP)
         if time.monotonic() >= scan_at:
             seen |= shared_memory_inodes(group_members(pgid, exclude=me))
             scanned_at = time.monotonic()

@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
 
+from gateway.supervisor.reaper import MIN_SCAN_GAP
 from tests.e2e.supervised import engine_status_text, fake_shm_files, group_alive, start_supervisor, status
 from tests.procs import ServerProcess, free_port, wait_until
 
@@ -41,6 +43,9 @@ def test_kill_9_of_one_engine_process_restarts_the_whole_engine(state_dir: Path)
         listing = engine_status_text(state_dir)
         assert all(str(pid) in listing for pid in old), listing
 
+        # The reaper notes a new /dev/shm file within MIN_SCAN_GAP of its creation; a helper killed sooner would
+        # take the only record of its file with it (vLLM's workers live far longer than that).
+        time.sleep(MIN_SCAN_GAP + 0.5)
         os.kill(old[2], signal.SIGKILL)  # one worker dies; vLLM's stand-in and the other stay up
         wait_until(lambda: status(state_dir).get("restarts") == 1, timeout=15, message=supervisor.log_text()[-3000:])
         last = status(state_dir)["history"][-1]  # type: ignore[index]
