@@ -17,13 +17,15 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from loadtest.gpu.sweep import judged
+
 _PANELS = (("output_tokens_per_s", "output tokens/s"), ("itl_p50_ms", "inter-token latency p50 (ms)"))
 
 
 def medians(points: list[dict[str, Any]], target: str, key: str) -> tuple[list[int], list[float]]:
-    """Concurrency levels of one target and the median of `key` at each, in ascending order."""
+    """Concurrency levels of one target and the median of `key` at each, in ascending order (the judged points)."""
     by_level: dict[int, list[float]] = {}
-    for point in points:
+    for point in judged(points):
         if point["target"] == target:
             by_level.setdefault(point["concurrency"], []).append(float(point[key]))
     levels = sorted(by_level)

@@ -241,6 +241,11 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def judged(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat points the goals judge (and the chart draws): not the client check's, not the ones the time box cut."""
+    return _chat(points)
+
+
 def _chat(points: list[dict[str, Any]], *, check: bool = False) -> list[dict[str, Any]]:
     """The chat points the goals judge, or (`check`) those of the client check; points the time box cut are left out."""
     return [p for p in points if p.get("api", "chat") == "chat" and bool(p.get("check")) == check and not p.get("cut")]
@@ -249,7 +254,7 @@ def _chat(points: list[dict[str, Any]], *, check: bool = False) -> list[dict[str
 def goals(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per concurrency, medians over rounds of the chat points (the client check's left out): gateway tokens/s as a
     share of direct, added TTFT and ITL p50 (gateway minus direct, paired by round), errors; each against the goals."""
-    points = _chat(points)
+    points = judged(points)
     rows = []
     for concurrency in sorted({p["concurrency"] for p in points}):
         at = [p for p in points if p["concurrency"] == concurrency]

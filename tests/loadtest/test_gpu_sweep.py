@@ -126,6 +126,9 @@ def test_the_chart_takes_medians_per_concurrency_and_writes_a_png(tmp_path: Path
         {"target": "direct", "concurrency": 64, "output_tokens_per_s": 300.0, "itl_p50_ms": 7.0},
         {"target": "direct", "concurrency": 1, "output_tokens_per_s": 10.0, "itl_p50_ms": 3.0},
         {"target": "gateway", "concurrency": 64, "output_tokens_per_s": 250.0, "itl_p50_ms": 8.0},
+        # Neither the client check's run nor a point the time box cut is drawn.
+        {"target": "direct", "concurrency": 64, "output_tokens_per_s": 900.0, "itl_p50_ms": 1.0, "check": True},
+        {"target": "direct", "concurrency": 1, "output_tokens_per_s": 0.0, "itl_p50_ms": 0.0, "cut": True},
     ]
     assert medians(points, "direct", "output_tokens_per_s") == ([1, 64], [10.0, 200.0])
     assert medians(points, "gateway", "itl_p50_ms") == ([64], [8.0])
