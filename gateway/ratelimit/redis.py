@@ -266,14 +266,12 @@ class RedisRateLimiter:
             lease.windows.day_left_ms,
             lease.windows.month_left_ms,
         ]
-        # Shielded: a request cancelled (client gone) while the script runs must not leak what it admitted.
-        admission = asyncio.create_task(self._admit(key.name, lease, args, budget_args))
         try:
-            result = await asyncio.shield(admission)
+            result = await self._admit(key.name, lease, args, budget_args)
         except asyncio.CancelledError:
-            self._pending.add(admission)
-            admission.add_done_callback(self._pending.discard)
-            admission.add_done_callback(lambda done: self._release_orphan(done, lease))
+            # Cancelled while the script was on its way or running: what it may have admitted is given back once
+            # Redis answers (the release overtaking a late admission refuses it), as after a Redis failure.
+            self._release_unconfirmed_later(lease)
             raise
         except KeyStoreUnavailableError as exc:
             self._release_unconfirmed_later(lease)
@@ -316,7 +314,13 @@ class RedisRateLimiter:
             del self._refusals[lease.key_name]  # a slot of this key frees now
         if lease.degraded:
             return
-        await asyncio.shield(self._spawn(self._finish(lease, used_tokens, served=served, detail=detail)))
+        try:
+            await self._finish(lease, used_tokens, served=served, detail=detail)
+        except asyncio.CancelledError:
+            # The script may be written already, or not: the release runs once more to its end in the background
+            # (a second release of a lease changes nothing).
+            _ = self._spawn(self._finish(lease, used_tokens, served=served, detail=detail))
+            raise
 
     async def usage(self, names: Sequence[str], day: date | None = None) -> dict[str, Usage]:
         """Requests and tokens of each key on `day` (UTC, default today) and when each was last used."""
@@ -393,14 +397,6 @@ class RedisRateLimiter:
         result = await self._calls(lambda: self._acquire(keys=keys, args=full_args), unavailable=_UNAVAILABLE)
         refused, retry_ms, requests_used, tokens_used, day_used, month_used = (int(value) for value in result)
         return refused, retry_ms, requests_used, tokens_used, day_used, month_used
-
-    def _release_orphan(self, admission: asyncio.Task[tuple[int, int, int, int, int, int]], lease: Lease) -> None:
-        if admission.cancelled() or admission.exception() is not None:
-            self._release_unconfirmed_later(lease)
-            return
-        if not admission.result()[0]:
-            _charge_budget(lease)  # refunded by the release below
-            _ = self._spawn(self._finish(lease, 0, served=False))  # kept in self._pending
 
     def _release_unconfirmed_later(self, lease: Lease) -> None:
         # The admission's script may still be queued in a stalled Redis and run when it resumes; its slot would

@@ -39,7 +39,7 @@ from gateway.relay.client import (
     UpstreamResponse,
     engine_error_body,
 )
-from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
+from gateway.relay.disconnect import ClientDisconnectedError, DisconnectWatch, run_until_disconnect
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.shapes import CHAT, WireShape
 from gateway.relay.sse import SSERelay
@@ -200,9 +200,12 @@ class EngineRelay:
         shape: WireShape = CHAT,
         method: str = "POST",
         engine_headers: Mapping[str, str] | None = None,
+        watch: DisconnectWatch | None = None,
     ) -> ASGIApp:
         """Send `body` to the engine's `path`: the answer as an ASGI app, or a GatewayError (5xx). `shape` is the
         API's wire shape (how its stream ends and fails); `engine_headers` go to the engine with the request.
+        `watch`, the request's connection where the server offers one, tells of a client gone without a second
+        task (see `relay/disconnect.py`); else `receive` is read for it.
 
         The exchange is settled exactly once (`Settlement`: `lease` released, then `after` run): when the answer is
         read, when the stream ends, or on the error. `headers` (the key's rate-limit headers) go on the answer.
@@ -212,7 +215,7 @@ class EngineRelay:
             exchange = self._open_and_read(
                 path, body, record, read_body=not stream, method=method, headers=engine_headers
             )
-            upstream, answer = await run_until_disconnect(receive, exchange)
+            upstream, answer = await run_until_disconnect(receive, exchange, watch)
         except ClientDisconnectedError:
             record.client_disconnected = True
             self._metrics.client_disconnects.labels("non_stream").inc()

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request, Response
 from gateway.auth import ApiKey
 from gateway.errors import GatewayError, RequestTooLargeError
 from gateway.ratelimit import RequestLease
+from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.exchange import AfterSettle
 from gateway.relay.shapes import WireShape
 from gateway.request_record import RequestRecord
@@ -92,6 +93,7 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         after=after,
         shape=api.shape,
         engine_headers={name: value for name in api.passed_headers if (value := request.headers.get(name))},
+        watch=disconnect_watch(request.scope),
     )
 
 

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 
 from gateway.auth import ApiKey
 from gateway.errors import InvalidRequestError, KeyStoreUnavailableError, ResponseNotFoundError
+from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.shapes import RESPONSES
 from gateway.request_record import RequestRecord
 from gateway.routes.context import get_record, get_services, require_api_key
@@ -103,6 +104,7 @@ async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
         headers={},
         shape=RESPONSES,
         method="POST" if cancel else "GET",
+        watch=disconnect_watch(request.scope),
     )
 
 

@@ -4,6 +4,7 @@ leaves (raw ASGI, no sockets)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -96,3 +97,92 @@ async def test_run_until_disconnect_propagates_outer_cancellation_and_cancels_wo
     with pytest.raises(asyncio.CancelledError):
         await outer
     await asyncio.wait_for(cancelled.wait(), 1.0)
+
+
+class Connection:
+    """A `DisconnectWatch` as the gateway's server offers one: `leave()` is the client's connection lost."""
+
+    def __init__(self, gone: bool = False) -> None:
+        self.gone = gone
+        self.callback: Callable[[], None] | None = None
+
+    def arm(self, callback: Callable[[], None]) -> bool:
+        if self.gone:
+            return False
+        self.callback = callback
+        return True
+
+    def disarm(self) -> None:
+        self.callback = None
+
+    def leave(self) -> None:
+        self.gone = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
+async def _never_received() -> Message:
+    raise AssertionError("with a watch, receive is not read")
+
+
+async def test_with_a_watch_the_work_runs_in_the_callers_task_and_the_watch_is_disarmed() -> None:
+    connection = Connection()
+    caller = asyncio.current_task()
+
+    async def work() -> bool:
+        await asyncio.sleep(0)
+        return asyncio.current_task() is caller
+
+    assert await run_until_disconnect(_never_received, work(), connection) is True
+    assert connection.callback is None
+
+
+async def test_with_a_watch_a_client_leaving_cancels_the_work_and_leaves_no_cancel_pending() -> None:
+    connection = Connection()
+    cancelled = asyncio.Event()
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "too late"
+
+    asyncio.get_running_loop().call_later(0.01, connection.leave)
+    with pytest.raises(ClientDisconnectedError):
+        await run_until_disconnect(_never_received, work(), connection)
+    assert cancelled.is_set()
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # the caller goes on answering 499
+    await asyncio.sleep(0)  # and is not cancelled at its next await
+
+
+async def test_with_a_watch_a_client_already_gone_starts_no_work() -> None:
+    started = False
+
+    async def work() -> None:
+        nonlocal started
+        started = True
+
+    with pytest.raises(ClientDisconnectedError):
+        await run_until_disconnect(_never_received, work(), Connection(gone=True))
+    assert not started
+
+
+async def test_with_a_watch_an_outer_cancellation_stays_a_cancellation() -> None:
+    connection = Connection()
+    started = asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        await asyncio.sleep(10)
+
+    outer = asyncio.create_task(run_until_disconnect(_never_received, work(), connection))
+    await started.wait()
+    outer.cancel()
+    connection.leave()  # the client leaves too: the server's cancel still wins
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert connection.callback is None
