@@ -258,7 +258,8 @@ _Pending = tuple[asyncio.Future[Any], float]
 class ScriptLane:
     """One connection that carries every script call of a client, pipelined.
 
-    A call writes its command and waits for the reply in the order it was sent: no pool checkout, no lock, no task.
+    A call queues its command and waits for the reply in the order it was sent: no pool checkout, no lock, no task;
+    the commands queued in one turn of the event loop go out in one write at its end.
     The first call (and the first after a loss) connects, the calls arriving meanwhile wait for that one connection.
     A call abandoned by its caller (its deadline, a client gone) keeps its place, so its reply is read and dropped.
     The connection is dropped, and the calls still waiting fail with a connection error (callers retry once, the
@@ -280,6 +281,7 @@ class ScriptLane:
         self._pending: deque[_Pending] = deque()
         self._buffer = bytearray()
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._unsent: list[bytes] = []  # commands of this turn of the loop, written together at its end
 
     async def call(self, command: bytes) -> Any:
         """Send one packed command and return its reply; an error reply is raised as redis-py's exception."""
@@ -293,8 +295,19 @@ class ScriptLane:
         self._pending.append((future, loop.time()))
         if self._stall_timer is None:
             self._watch_oldest(loop)
-        transport.write(command)
+        # Written at the end of this turn of the loop, with every other call made in it: one write, one wake-up of
+        # Redis, for all the requests that reached their admission together.
+        if not self._unsent:
+            loop.call_soon(self._write)
+        self._unsent.append(command)
         return await future
+
+    def _write(self) -> None:
+        # What is unsent is for the current connection: a drop clears it with the calls it fails.
+        unsent, self._unsent = self._unsent, []
+        transport = self._transport
+        if unsent and transport is not None and not transport.is_closing():
+            transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
 
     def _stalled(self, now: float) -> bool:
         return bool(self._pending) and now - self._pending[0][1] >= self._stall_after
@@ -405,6 +418,7 @@ class ScriptLane:
             connection.lane_release = None
             connection._reader = connection._writer = None
         self._buffer.clear()
+        self._unsent = []
         pending, self._pending = self._pending, deque()
         for future, sent in pending:
             if not future.done():

@@ -1,7 +1,8 @@
 """connect_redis and DirectScript against a real Redis: a command is written in the caller's task (no task of its
 own per command), the connection classes of every URL kind keep their own behaviour under the inline write, and a
 script call on the client's script lane answers as redis-py's own: after a script flush, in a pipeline, with an
-error; pipelined calls each get their own reply, an abandoned one included; a stalled or closed connection is
+error; pipelined calls each get their own reply, an abandoned one included, and those of one turn of the loop go out
+in one write; a stalled or closed connection is
 replaced; closing the client closes the lane's connection at once."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from redis.asyncio.sentinel import SentinelManagedConnection
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.redis_client import DirectScript, close_redis, connect_redis
+from gateway.redis_client import DirectScript, close_redis, connect_redis, script_lane
 from gateway.settings import RedisSettings, Settings
 
 pytestmark = pytest.mark.timeout(15)
@@ -108,6 +109,37 @@ async def test_pipelined_calls_each_get_their_own_reply_an_abandoned_one_include
         assert sorted(reply[1] for reply in replies) == list(range(3, 303))  # the abandoned call ran too (2)
         with contextlib.suppress(asyncio.CancelledError):
             await abandoned
+    finally:
+        await close_redis(client)
+
+
+class _CountingTransport:
+    """A transport that counts its writes and passes everything on."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+async def test_the_calls_of_one_turn_of_the_loop_go_out_in_one_write(redis_clean: str) -> None:
+    client = connect_redis(Settings(redis_url=SecretStr(redis_clean)))
+    echo = DirectScript(client, _ECHO)
+    try:
+        await echo(keys=["n"], args=["warm"])  # connected, the script loaded
+        lane = script_lane(client)
+        counting = lane._transport = _CountingTransport(lane._transport)
+        replies = await asyncio.gather(*(echo(keys=["n"], args=[f"call-{i}"]) for i in range(40)))
+        assert [reply[0] for reply in replies] == [f"call-{i}".encode() for i in range(40)]
+        assert counting.writes == 1  # one wake-up of Redis for the 40, not 40
+        assert await echo(keys=["n"], args=["alone"]) == [b"alone", 42]
+        assert counting.writes == 2
     finally:
         await close_redis(client)
 
