@@ -1,5 +1,5 @@
 """The client-disconnect watcher: the work's result or error when the client stays, the work cancelled when it
-leaves (raw ASGI, no sockets)."""
+leaves, told by `receive` or by the server's watch (raw ASGI, no sockets)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,33 @@ class Client:
         return {"type": "http.disconnect"}
 
 
+class Connection:
+    """A `DisconnectWatch` as the gateway's server offers one: `leave()` is the client's connection lost."""
+
+    def __init__(self, gone: bool = False) -> None:
+        self.gone = gone
+        self.callback: Callable[[], None] | None = None
+
+    def arm(self, callback: Callable[[], None]) -> bool:
+        if self.gone:
+            return False
+        self.callback = callback
+        return True
+
+    def disarm(self) -> None:
+        self.callback = None
+
+    def leave(self) -> None:
+        self.gone = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
+async def _never_received() -> Message:
+    raise AssertionError("with a watch, receive is not read")
+
+
 async def test_run_until_disconnect_returns_the_work_result() -> None:
     client = Client()
 
@@ -45,8 +72,10 @@ async def test_run_until_disconnect_propagates_the_work_error() -> None:
         await run_until_disconnect(client.receive, work())
 
 
-async def test_run_until_disconnect_cancels_work_when_the_client_leaves() -> None:
-    client = Client()
+@pytest.mark.parametrize("told_by", ["receive", "watch"])
+async def test_run_until_disconnect_cancels_work_when_the_client_leaves(told_by: str) -> None:
+    # Told by a disconnect read from `receive`, or by the server's watch (the work then runs in the caller's task).
+    client, connection = Client(), Connection()
     cancelled = asyncio.Event()
 
     async def work() -> str:
@@ -57,10 +86,17 @@ async def test_run_until_disconnect_cancels_work_when_the_client_leaves() -> Non
             raise
         return "too late"
 
-    asyncio.get_running_loop().call_later(0.01, client.disconnect.set)
+    by_watch = told_by == "watch"
+    leave = connection.leave if by_watch else client.disconnect.set
+    asyncio.get_running_loop().call_later(0.01, leave)
     with pytest.raises(ClientDisconnectedError):
-        await run_until_disconnect(client.receive, work())
+        await run_until_disconnect(
+            _never_received if by_watch else client.receive, work(), connection if by_watch else None
+        )
     assert cancelled.is_set()
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # the caller goes on answering 499
+    await asyncio.sleep(0)  # and is not cancelled at its next await
 
 
 async def test_run_until_disconnect_ignores_other_messages_until_disconnect() -> None:
@@ -99,33 +135,6 @@ async def test_run_until_disconnect_propagates_outer_cancellation_and_cancels_wo
     await asyncio.wait_for(cancelled.wait(), 1.0)
 
 
-class Connection:
-    """A `DisconnectWatch` as the gateway's server offers one: `leave()` is the client's connection lost."""
-
-    def __init__(self, gone: bool = False) -> None:
-        self.gone = gone
-        self.callback: Callable[[], None] | None = None
-
-    def arm(self, callback: Callable[[], None]) -> bool:
-        if self.gone:
-            return False
-        self.callback = callback
-        return True
-
-    def disarm(self) -> None:
-        self.callback = None
-
-    def leave(self) -> None:
-        self.gone = True
-        callback, self.callback = self.callback, None
-        if callback is not None:
-            callback()
-
-
-async def _never_received() -> Message:
-    raise AssertionError("with a watch, receive is not read")
-
-
 async def test_with_a_watch_the_work_runs_in_the_callers_task_and_the_watch_is_disarmed() -> None:
     connection = Connection()
     caller = asyncio.current_task()
@@ -136,27 +145,6 @@ async def test_with_a_watch_the_work_runs_in_the_callers_task_and_the_watch_is_d
 
     assert await run_until_disconnect(_never_received, work(), connection) is True
     assert connection.callback is None
-
-
-async def test_with_a_watch_a_client_leaving_cancels_the_work_and_leaves_no_cancel_pending() -> None:
-    connection = Connection()
-    cancelled = asyncio.Event()
-
-    async def work() -> str:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return "too late"
-
-    asyncio.get_running_loop().call_later(0.01, connection.leave)
-    with pytest.raises(ClientDisconnectedError):
-        await run_until_disconnect(_never_received, work(), connection)
-    assert cancelled.is_set()
-    task = asyncio.current_task()
-    assert task is not None and task.cancelling() == 0  # the caller goes on answering 499
-    await asyncio.sleep(0)  # and is not cancelled at its next await
 
 
 async def test_with_a_watch_a_client_already_gone_starts_no_work() -> None:
