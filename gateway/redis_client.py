@@ -144,6 +144,8 @@ class DirectScript(AsyncScript):
         super().__init__(client, script)
         self._client = client
         self._loading: asyncio.Future[Any] | None = None
+        # The lane's connection this script last ran on (so Redis has it): `post` sends it there, not elsewhere.
+        self._ran_on: object | None = None
 
     async def __call__(
         self,
@@ -157,10 +159,23 @@ class DirectScript(AsyncScript):
         lane = script_lane(self._client)
         command = pack_command("EVALSHA", self.sha, len(keys), *keys, *args)
         try:
-            return await lane.call(command)
+            reply = await lane.call(command)
         except NoScriptError:  # a Redis that lost its scripts (a restart, a promoted replica)
             await self._load(lane)
-            return await lane.call(command)
+            reply = await lane.call(command)
+        self._ran_on = lane.connection
+        return reply
+
+    def post(self, keys: Sequence[Any], args: Iterable[Any]) -> tuple[asyncio.Future[Any], asyncio.Future[None]] | None:
+        """The call queued on the lane without waiting (`ScriptLane.post`): its reply's future, and a future done once
+        it is written. None, and nothing sent, unless the script already ran on the lane's connection: a NOSCRIPT
+        there (a new connection may reach a restarted or promoted Redis) would let the calls queued behind it run
+        first; `__call__` loads the script and sends it again."""
+        lane = script_lane(self._client)
+        if self._ran_on is None or self._ran_on is not lane.connection:
+            return None
+        keys = list(keys)
+        return lane.post(pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
 
     async def _load(self, lane: ScriptLane) -> None:
         """SCRIPT LOAD on the lane, once for all the calls that met NOSCRIPT together (a burst at a fresh or restarted
@@ -282,6 +297,7 @@ class ScriptLane:
         self._buffer = bytearray()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._unsent: list[bytes] = []  # commands of this turn of the loop, written together at its end
+        self._written: asyncio.Future[None] | None = None  # done once they are (`post`)
 
     async def call(self, command: bytes) -> Any:
         """Send one packed command and return its reply; an error reply is raised as redis-py's exception."""
@@ -290,7 +306,36 @@ class ScriptLane:
             self._check_stall(loop)  # overdue, and the timer has not run yet (a busy loop)
         transport = self._transport
         if transport is None or loop is not self._loop or transport.is_closing():
-            transport = await self._connected(loop)
+            await self._connected(loop)
+        return await self._queue(loop, command)
+
+    @property
+    def connection(self) -> object | None:
+        """The current connection, as an identity to compare with a later one (None: not connected)."""
+        return self._protocol
+
+    def post(self, command: bytes) -> tuple[asyncio.Future[Any], asyncio.Future[None]] | None:
+        """Queue one packed command without waiting for anything: its reply's future, and a future done once the
+        command is written (with the rest of this turn's commands; or failed, its reply then failing too). None,
+        and nothing queued, when the lane has no usable connection: `call` makes one.
+
+        What the caller writes anywhere after the second future is done reaches its peer after the command
+        reached Redis: for a release that must precede the answer, without waiting for Redis's reply."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            return None
+        if self._stalled(loop.time()):
+            self._check_stall(loop)
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return None
+        reply = self._queue(loop, command)
+        written = self._written
+        if written is None:
+            written = self._written = loop.create_future()
+        return reply, written
+
+    def _queue(self, loop: asyncio.AbstractEventLoop, command: bytes) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((future, loop.time()))
         if self._stall_timer is None:
@@ -300,7 +345,7 @@ class ScriptLane:
         if not self._unsent:
             loop.call_soon(self._write)
         self._unsent.append(command)
-        return await future
+        return future
 
     def _write(self) -> None:
         # What is unsent is for the current connection: a drop clears it with the calls it fails.
@@ -308,6 +353,12 @@ class ScriptLane:
         transport = self._transport
         if unsent and transport is not None and not transport.is_closing():
             transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
+        self._tell_written()
+
+    def _tell_written(self) -> None:
+        written, self._written = self._written, None
+        if written is not None and not written.done():
+            written.set_result(None)
 
     def _stalled(self, now: float) -> bool:
         return bool(self._pending) and now - self._pending[0][1] >= self._stall_after
@@ -419,6 +470,7 @@ class ScriptLane:
             connection._reader = connection._writer = None
         self._buffer.clear()
         self._unsent = []
+        self._tell_written()  # nothing more to wait for: the calls' replies fail below
         pending, self._pending = self._pending, deque()
         for future, sent in pending:
             if not future.done():
@@ -540,6 +592,11 @@ class RedisCalls:
         # Every call's time and every failure (nemotron_gateway_redis_call_duration_seconds, _redis_errors_total).
         self._duration = None if metrics is None else metrics.redis_call_duration
         self._errors = None if metrics is None else metrics.redis_errors
+
+    def succeeded(self, started: float) -> None:
+        """Record a call made outside `__call__` (a script posted on the lane) that Redis answered: its time."""
+        if self._duration is not None:
+            self._duration.observe(time.perf_counter() - started)
 
     async def __call__(self, work: Callable[[], Awaitable[T]], *, unavailable: str = UNAVAILABLE) -> T:
         """`await work()` within `redis.command_timeout`; on a connection error or READONLY, once more (on another

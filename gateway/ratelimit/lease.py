@@ -48,7 +48,8 @@ class RequestLease:
         """Reconcile the charge with `used_tokens` (None keeps the estimate, 0 refunds it), free the slot and record
         the usage, by API, with the token detail the engine reported on `record`; a request not `served` (it never
         reached the engine) is given back to the requests/min limit too and is not in the usage. Nothing before
-        `acquire`; idempotent; never raises for Redis."""
+        `acquire`; idempotent; never raises for Redis. Returns once the release is on its way to Redis, ahead of
+        whatever the caller sends next (the answer), not once Redis has confirmed it (see `RedisRateLimiter`)."""
         if self._held is None:
             return
         detail = None

@@ -33,6 +33,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as day_start
+from functools import partial
 from typing import Any
 
 import redis.asyncio as redis_asyncio
@@ -150,6 +151,7 @@ class RedisRateLimiter:
         self._renew = DirectScript(redis, lua.RENEW)
         self._live: dict[str, Lease] = {}
         self._pending: set[asyncio.Task[Any]] = set()
+        self._confirming: set[asyncio.Future[Any]] = set()  # replies of releases written to Redis, still to come
         self._retrying: set[BackgroundTask] = set()  # releases that failed, retried until Redis answers
         # Lease id -> (lease, monotonic time to give up) of admissions that failed: released once Redis answers.
         self._unconfirmed: dict[str, tuple[Lease, float]] = {}
@@ -177,6 +179,8 @@ class RedisRateLimiter:
     async def stop(self) -> None:
         """Stop renewing, give releases in flight one deadline, and stop retrying failed ones (bounded)."""
         await self._renewer.stop()
+        if self._confirming:  # a release it finds unconfirmed goes into `_pending`
+            await asyncio.wait(set(self._confirming), timeout=self._calls.timeout)
         if self._pending:
             await asyncio.wait(set(self._pending), timeout=self._calls.timeout)
         for retry in list(self._retrying):
@@ -302,9 +306,15 @@ class RedisRateLimiter:
     async def release(
         self, lease: Lease, used_tokens: int | None = None, detail: TokenDetail | None = None, *, served: bool = True
     ) -> None:
-        """Reconcile, free the slot and record usage in one round trip (not `served`: the request is given back to
-        the requests/min bucket and left out of the usage). Idempotent, never raises for Redis, and runs to
-        completion even if the awaiting request is cancelled."""
+        """Reconcile, free the slot and record usage in one script (not `served`: the request is given back to the
+        requests/min bucket and left out of the usage). Idempotent, never raises for Redis, and runs to completion
+        even if the awaiting request is cancelled.
+
+        Returns once the script is written to Redis, not once Redis has answered: what the caller sends next (the
+        answer) reaches its peer after the release reached Redis, so the key's next request finds the slot free
+        (on this process's connection it queues behind the release; on another's it arrives later) without the
+        answer waiting for a round trip. The reply is checked in the background: a release Redis did not confirm
+        (NOSCRIPT, a lost connection) is done again the whole way, retried until Redis answers."""
         if lease.released:
             return
         lease.released = True
@@ -314,13 +324,30 @@ class RedisRateLimiter:
             del self._refusals[lease.key_name]  # a slot of this key frees now
         if lease.degraded:
             return
-        try:
-            await self._finish(lease, used_tokens, served=served, detail=detail)
+        keys, args = self._release_call(lease, used_tokens, served=served, detail=detail)
+        posted = self._release.post(keys, args)
+        if posted is not None:
+            reply, written = posted
+            self._confirming.add(reply)
+            reply.add_done_callback(partial(self._confirmed, lease.key_name, keys, args, time.perf_counter()))
+            await asyncio.shield(written)  # a cancel here leaves the release queued, its reply still checked
+            return
+        try:  # no connection yet: the whole way (it connects)
+            await self._finish(lease.key_name, keys, args)
         except asyncio.CancelledError:
             # The script may be written already, or not: the release runs once more to its end in the background
             # (a second release of a lease changes nothing).
-            _ = self._spawn(self._finish(lease, used_tokens, served=served, detail=detail))
+            _ = self._spawn(self._finish(lease.key_name, keys, args))
             raise
+
+    def _confirmed(
+        self, name: str, keys: list[str], args: list[int | str], started: float, reply: asyncio.Future[Any]
+    ) -> None:
+        self._confirming.discard(reply)
+        if not reply.cancelled() and reply.exception() is None:
+            self._calls.succeeded(started)
+            return
+        _ = self._spawn(self._finish(name, keys, args))
 
     async def usage(self, names: Sequence[str], day: date | None = None) -> dict[str, Usage]:
         """Requests and tokens of each key on `day` (UTC, default today) and when each was last used."""
@@ -538,20 +565,19 @@ class RedisRateLimiter:
         ]
         return keys, args
 
-    async def _finish(
-        self, lease: Lease, used_tokens: int | None, *, served: bool = True, detail: TokenDetail | None = None
-    ) -> None:
-        keys, args = self._release_call(lease, used_tokens, served=served, detail=detail)
+    async def _finish(self, name: str, keys: list[str], args: list[int | str]) -> None:
+        """The release script, awaited (retried once on a fresh connection); if Redis does not answer, retried in the
+        background until it does."""
         try:
             await self._calls(lambda: self._release(keys=keys, args=args), unavailable=_UNAVAILABLE)
             return
         except KeyStoreUnavailableError as exc:
             logger.warning(
                 "Could not release a lease of key %s (%s); retrying until Redis answers",
-                lease.key_name,
+                name,
                 type(exc.__cause__ or exc).__name__,
             )
-        self._retry_release(lease.key_name, keys, args)
+        self._retry_release(name, keys, args)
 
     def _retry_release(self, name: str, keys: list[str], args: list[int | str]) -> None:
         # Past the lease's TTL its slot has expired in Redis anyway; the marker makes a late success harmless.

@@ -23,7 +23,7 @@ from gateway.auth import ApiKey, KeyLimits, KeyStore
 from gateway.errors import KeyStoreUnavailableError
 from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter, lua
 from gateway.redis_client import connect_redis
-from gateway.settings import AuthSettings, RateLimitSettings, Settings
+from gateway.settings import AuthSettings, RateLimitSettings, RedisSettings, Settings
 from tests.conftest import _redis_server_binary, redis_answers
 from tests.procs import FakeEngineControl, ServerProcess, async_wait_until, free_port, run_gateway
 
@@ -185,6 +185,45 @@ async def test_a_failed_release_frees_the_slot_as_soon_as_redis_answers_again(
         await limiter.release(again)
     finally:
         await limiter.stop()
+
+
+# --- a release is written, not waited for: its reply is checked in the background ---
+
+
+@pytest.mark.parametrize("pause", [0.3, 2.5], ids=["answered-late", "connection-dropped-as-stalled"])
+async def test_a_release_does_not_wait_for_redis_and_is_done_once_redis_answers(
+    private_redis: PrivateRedis, pause: float
+) -> None:
+    # socket_timeout 2 s: a 0.3 s pause is answered on the same connection; a 2.5 s one gets the connection dropped
+    # as stalled, so the release is done again on a new one (its marker keeps the second run from counting twice).
+    settings = _settings(private_redis.url).model_copy(
+        update={"redis": RedisSettings(socket_timeout=2.0, command_timeout=10.0)}
+    )
+    client, other_client = connect_redis(settings), connect_redis(settings)
+    limiter = RedisRateLimiter(client, settings)
+    other = RedisRateLimiter(other_client, settings)  # another process's connection
+    key = _key("released-unanswered", concurrency=1)
+    try:
+        await limiter.release(await limiter.acquire(key, 0))  # the release script has run on the connection
+        lease = await limiter.acquire(key, 0)
+        private_redis.signal(signal.SIGSTOP)
+        try:
+            async with asyncio.timeout(1.0):  # waiting for the reply would take the stall's 2 s at least
+                await limiter.release(lease, 7)
+            await asyncio.sleep(pause)
+        finally:
+            private_redis.signal(signal.SIGCONT)
+        again = await async_wait_until(
+            lambda: _admitted(other, key, 0), within=10, interval=0.05, message="the slot was not freed"
+        )
+        await other.release(again, 3)
+        usage = (await other.usage([key.name]))[key.name]
+        assert (usage.requests, usage.tokens) == (3, 10), usage
+    finally:
+        await limiter.stop()
+        await other.stop()
+        await client.aclose()
+        await other_client.aclose()
 
 
 # --- an admission that timed out during a stall, run by Redis when it resumes, frees its slot ---
