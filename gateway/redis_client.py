@@ -297,7 +297,7 @@ class ScriptLane:
         self._buffer = bytearray()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._unsent: list[bytes] = []  # commands of this turn of the loop, written together at its end
-        self._written: asyncio.Future[None] | None = None  # done once they are (`post`)
+        self._written: list[asyncio.Future[None]] = []  # `post`'s, done once those commands are written
 
     async def call(self, command: bytes) -> Any:
         """Send one packed command and return its reply; an error reply is raised as redis-py's exception."""
@@ -330,9 +330,9 @@ class ScriptLane:
         if transport is None or transport.is_closing():
             return None
         reply = self._queue(loop, command)
-        written = self._written
-        if written is None:
-            written = self._written = loop.create_future()
+        # One a caller: a caller cancelled while waiting cancels its own, not the others'.
+        written: asyncio.Future[None] = loop.create_future()
+        self._written.append(written)
         return reply, written
 
     def _queue(self, loop: asyncio.AbstractEventLoop, command: bytes) -> asyncio.Future[Any]:
@@ -356,9 +356,11 @@ class ScriptLane:
         self._tell_written()
 
     def _tell_written(self) -> None:
-        written, self._written = self._written, None
-        if written is not None and not written.done():
-            written.set_result(None)
+        if self._written:
+            written, self._written = self._written, []
+            for future in written:
+                if not future.done():
+                    future.set_result(None)
 
     def _stalled(self, now: float) -> bool:
         return bool(self._pending) and now - self._pending[0][1] >= self._stall_after

@@ -330,7 +330,7 @@ class RedisRateLimiter:
             reply, written = posted
             self._confirming.add(reply)
             reply.add_done_callback(partial(self._confirmed, lease.key_name, keys, args, time.perf_counter()))
-            await asyncio.shield(written)  # a cancel here leaves the release queued, its reply still checked
+            await written  # a cancel here leaves the release queued, its reply still checked
             return
         try:  # no connection yet: the whole way (it connects)
             await self._finish(lease.key_name, keys, args)

@@ -60,9 +60,9 @@ def _only(running: int, workers: list[int]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
-def _create_key(redis_url: str) -> str:
-    argv = [sys.executable, "-m", "gateway", "keys", "create", "--name", "workers", "--rpm", str(RPM)]
-    argv += ["--tpm", "0", "--max-concurrency", "100", "--redis-url", redis_url]
+def _create_key(redis_url: str, name: str = "workers", *limits: str) -> str:
+    limits = limits or ("--rpm", str(RPM), "--tpm", "0", "--max-concurrency", "100")
+    argv = [sys.executable, "-m", "gateway", "keys", "create", "--name", name, *limits, "--redis-url", redis_url]
     env = {**os.environ, "NEMOTRON_AUTH__SECRET": PEPPER}
     done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
@@ -107,6 +107,21 @@ def test_limits_are_exact_across_workers(pool: tuple[ServerProcess, str, str]) -
         answered += [_post(url, secret).status_code for _ in range(4)]
     # The second worker knows what the first admitted: its third request is over the key's limit.
     assert answered == [200] * RPM + [429, 429]
+
+
+def test_a_client_at_its_concurrency_limit_is_not_refused_by_either_worker(
+    pool: tuple[ServerProcess, str, str], redis_clean: str
+) -> None:
+    # An answer goes out once its request's release is written to Redis, without waiting for Redis's reply: the
+    # client's next request, on a new connection that either worker may accept, must still find the slot free.
+    _, url, _ = pool
+    secret = _create_key(redis_clean, "one-at-a-time", "--max-concurrency", "1", "--rpm", "0", "--tpm", "0")
+    payload = {"model": "nemotron-test", "prompt": "hi", "max_tokens": 1}
+    headers = {"Authorization": f"Bearer {secret}"}
+    with httpx.Client(timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        answered = [client.post(url + "/v1/completions", json=payload, headers=headers) for _ in range(200)]
+    refused = [response.text for response in answered if response.status_code != 200]
+    assert not refused, refused[:3]
 
 
 def test_a_killed_worker_is_replaced_and_serves(pool: tuple[ServerProcess, str, str]) -> None:
