@@ -69,6 +69,10 @@ class ServerConfig(uvicorn.Config):
     def __init__(self, app: Any, *, limits: ClientLimits, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.limits = limits
+        # Set by the stop signal: a connection whose `connection_made` runs after uvicorn asked the open ones to
+        # drain (accepted in the loop pass that stopped listening) drains too, instead of staying keep-alive
+        # until the grace ends and the process exits under a request.
+        self.draining = False
 
 
 def _raw_response(error: GatewayError) -> bytes:
@@ -146,6 +150,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         assert isinstance(config, ServerConfig)
+        self._config = config
         self._limits = config.limits
         self._head_open = False  # a request head has begun and is not complete yet
         self._head_bytes = 0  # bytes of that head counted so far (see data_received)
@@ -162,6 +167,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         super().connection_made(transport)  # type: ignore[arg-type]  # uvicorn narrows it to asyncio.Transport
         self._start_head_timer()
+        if self._config.draining:
+            self.shutdown()
 
     def _refuse(self, transport: asyncio.BaseTransport) -> None:
         # Answered before reading anything: the whole point is to spend nothing on this client.
@@ -178,7 +185,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def shutdown(self) -> None:
         """The server drains. uvicorn closes an idle keep-alive connection at once, which loses a request the
         client is sending at that moment (a POST it must not resend); here such a connection gets `_DRAIN_IDLE`
-        seconds: a request that arrives is answered with `Connection: close`, silence closes it."""
+        seconds: a request that arrives is answered with `Connection: close`, silence closes it. Once per
+        connection (a connection made after the stop signal is told in `connection_made`, and may be again by
+        uvicorn)."""
+        if self._draining:
+            return
         self._draining = True
         if self._finished():
             return
@@ -356,6 +367,8 @@ class DrainingServer(uvicorn.Server):
         # A signal handler only records (the loop acts): one attribute set, read by the /ready route.
         app: Any = self.config.app  # the FastAPI app `serve` built; uvicorn types it as any ASGI app
         app.state.readiness.draining = True
+        if isinstance(self.config, ServerConfig):
+            self.config.draining = True
         super().handle_exit(sig, frame)
         if self._loop is not None and self._wake is not None:
             # Through the loop's self-pipe: a signal handler may interrupt the loop itself, so it touches no future.

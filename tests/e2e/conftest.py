@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.supervised import engine_env, up_process
-from tests.procs import ServerProcess, free_port
+from tests.e2e.supervised import engine_env, status, up_process
+from tests.procs import ServerProcess, free_port, wait_until
 
 
 @pytest.fixture
@@ -33,4 +33,9 @@ def up_stack(state_dir: Path, redis_url: str) -> Iterator[tuple[ServerProcess, i
     )
     proc = up_process(env, gateway_port)
     with proc.start():
+        # The gateway probes the engine itself and may answer /ready before the supervisor's own check (every
+        # 0.3 s here) has recorded the engine ready with its pid: the tests compare against that record.
+        wait_until(
+            lambda: status(state_dir).get("state") == "ready", timeout=10, message="the supervisor never said ready"
+        )
         yield proc, engine_port, gateway_port

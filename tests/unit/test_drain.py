@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from gateway.app import create_app
 from gateway.client_limits import ClientLimits
 from gateway.routes.health import ready
 from gateway.settings import Settings
-from gateway.uvicorn_internals import DrainingServer, ServerConfig
+from gateway.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -90,3 +91,42 @@ async def test_the_idle_server_loop_ticks_once_a_second_and_a_stop_signal_ends_i
     await asyncio.wait_for(loop_task, 5)
     # At once, not at the next tick (a second away at most): the signal wakes the loop.
     assert time.monotonic() - stopped_at < 0.5
+
+
+async def _accepted_after_the_stop_signal() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection the server's protocol receives once the stop signal has come (uvicorn may accept one in the
+    loop pass that stops listening, after it has told the open connections to drain); the client's end."""
+    settings = Settings()
+    config = ServerConfig(
+        create_app(settings), limits=ClientLimits.from_settings(settings), http=GuardedHttpToolsProtocol
+    )
+    config.load()
+    server = DrainingServer(config)
+    server.server_state = uvicorn.server.ServerState()
+    server.handle_exit(signal.SIGTERM, None)
+    ours, theirs = socket.socketpair()
+    await asyncio.get_running_loop().connect_accepted_socket(
+        lambda: GuardedHttpToolsProtocol(config, server.server_state, {}), theirs
+    )
+    return await asyncio.open_connection(sock=ours)
+
+
+@pytest.mark.parametrize("silent", [False, True])
+async def test_a_connection_made_after_the_stop_signal_is_answered_once_and_closed(silent: bool) -> None:
+    # Kept alive, it would carry requests until the grace ran out and the process ended under one of them.
+    reader, writer = await _accepted_after_the_stop_signal()
+    try:
+        if not silent:
+            writer.write(b"GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n")
+        started = time.monotonic()
+        answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: the server closes the connection
+        if silent:
+            assert answer == b""
+            assert 0.5 < time.monotonic() - started < 3
+        else:
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            assert b"connection: close" in head.lower()
+            assert body == b'{"status":"ok"}'
+    finally:
+        writer.close()
