@@ -400,19 +400,25 @@ class ScriptLane:
 
     async def _connect(self) -> None:
         connection: _InlineWrite = self._pool.make_connection()
-        # The handshake (AUTH, SELECT, CLIENT SETINFO; with Sentinel, the master lookup), within connect_timeout.
-        await connection.connect()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-        writer = connection._writer
-        if writer is None:
-            raise RedisConnectionError("Connection to Redis lost")
+        # The pool counts the lane's connection as in use from the start, so closing the client (`aclose`,
+        # `close_redis`) closes it too: during the handshake by redis-py's own disconnect (the handshake then fails
+        # with a connection error), after it by the lane (`_InlineWrite.disconnect`). redis-py's connection object
+        # keeps its stream meanwhile (a StreamWriter closes its transport when collected).
+        self._pool._in_use_connections.add(connection)
+        try:
+            # The handshake (AUTH, SELECT, CLIENT SETINFO; with Sentinel, the master lookup), within connect_timeout.
+            await connection.connect()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+            writer = connection._writer
+            if writer is None:
+                raise RedisConnectionError("Connection to Redis lost")
+        except BaseException:
+            # redis-py closes a connection whose handshake failed, not one cancelled during it (a closing loop).
+            self._release(connection)
+            raise
         transport = writer.transport
         protocol = _LaneProtocol(self)
         transport.set_protocol(protocol)
-        # The pool counts the lane's connection as in use, so closing the client (`aclose`, `close_redis`) closes
-        # it too (`_InlineWrite.disconnect`); redis-py's connection object keeps its stream meanwhile (a StreamWriter
-        # closes its transport when collected).
         connection.lane_release = self.close
-        self._pool._in_use_connections.add(connection)
         self._buffer.clear()
         self._transport, self._connection, self._protocol = transport, connection, protocol
 
@@ -467,9 +473,7 @@ class ScriptLane:
             with contextlib.suppress(RuntimeError):
                 transport.abort()
         if connection is not None:  # after the abort: its StreamWriter, collected, would close the transport
-            self._pool._in_use_connections.discard(connection)
-            connection.lane_release = None
-            connection._reader = connection._writer = None
+            self._release(connection)
         self._buffer.clear()
         self._unsent = []
         self._tell_written()  # nothing more to wait for: the calls' replies fail below
@@ -477,6 +481,14 @@ class ScriptLane:
         for future, sent in pending:
             if not future.done():
                 future.set_exception(overdue if overdue is not None and sent <= sent_before else error)
+
+    def _release(self, connection: _InlineWrite) -> None:
+        """Give `connection` up: out of the pool's count, its stream closed (a no-op after the transport's abort)."""
+        self._pool._in_use_connections.discard(connection)
+        connection.lane_release = None
+        writer, connection._reader, connection._writer = connection._writer, None, None
+        if writer is not None:
+            writer.close()
 
     def close(self) -> None:
         """Close the connection; calls still waiting fail with a connection error."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import time
+import warnings
 from collections.abc import AsyncIterator, Coroutine, Generator
 from typing import Any
 
@@ -25,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.redis_client import DirectScript, close_redis, connect_redis, script_lane
 from gateway.settings import RedisSettings, Settings
+from tests.procs import async_wait_until
 
 pytestmark = pytest.mark.timeout(15)
 
@@ -249,3 +252,24 @@ async def test_a_connection_the_server_closed_is_replaced_and_closing_the_client
     finally:
         await killer.aclose()
         await close_redis(client)
+
+
+async def test_closing_the_client_while_its_lane_connects_fails_the_call_and_leaves_no_connection_open(
+    holding_proxy: tuple[_HoldingProxy, str],
+) -> None:
+    # The handshake held (Redis frozen after accepting): the lane's connection is open and waits for a reply when the
+    # client is closed, as at a gateway's shutdown.
+    proxy, url = holding_proxy
+    proxy.holding = True
+    client = connect_redis(Settings(redis_url=SecretStr(url), redis=RedisSettings(socket_timeout=5.0)))
+    call = asyncio.create_task(DirectScript(client, _ECHO)(keys=["n"], args=["held"]))
+    await async_wait_until(lambda: proxy.connections == 1, within=5)
+    await asyncio.sleep(0.05)
+    await close_redis(client)
+    # A connection error, as any call on a closed client: not a cancel of the caller's task.
+    with pytest.raises(redis.ConnectionError):
+        await asyncio.wait_for(call, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
