@@ -182,8 +182,9 @@ def run_point(
         "wall_s": round(wall, 2),
         "client_cpu": [r["client"] for r in results],
         "prompts_realigned": any(r.get("prompts_realigned") for r in results),
+        # None without output tokens (a point cut before its first answer, or all errors): nothing to divide by.
         "cpu_s_per_1k_tokens": {
-            role: round((after[role] - before[role]) * 1000 / max(tokens, 1), 4) for role in _ROLES
+            role: round((after[role] - before[role]) * 1000 / tokens, 4) if tokens else None for role in _ROLES
         },
         "processes": {str(pid): role for pid, role in processes.items()},
         **({"log_tail": first["log_tail"]} if "log_tail" in first else {}),
@@ -231,14 +232,19 @@ def markdown(points: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {_target(p)} | {p['concurrency']} | {p['ok']}/{p['requests']} | {sum(p['errors'].values())} | "
             f"{p['output_tokens_per_s']:,.0f} | {p['ttft_p50_ms']:.1f} / {p['ttft_p99_ms']:.1f} | "
-            f"{p['itl_p50_ms']:.2f} / {p['itl_p99_ms']:.2f} | {cpu['gateway']:.3f} | {cpu['vllm-api']:.3f} | "
-            f"{cpu['engine-core']:.3f} | {_client_share(p)} |"
+            f"{p['itl_p50_ms']:.2f} / {p['itl_p99_ms']:.2f} | {_cpu(cpu['gateway'])} | {_cpu(cpu['vllm-api'])} | "
+            f"{_cpu(cpu['engine-core'])} | {_client_share(p)} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+def _cpu(per_1k: float | None) -> str:
+    return "-" if per_1k is None else f"{per_1k:.3f}"
+
+
+def _median(values: list[float | None]) -> float:
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else float("nan")
 
 
 def judged(points: list[dict[str, Any]]) -> list[dict[str, Any]]:

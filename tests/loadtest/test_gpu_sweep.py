@@ -135,3 +135,14 @@ def test_the_chart_takes_medians_per_concurrency_and_writes_a_png(tmp_path: Path
     out = tmp_path / "chart.png"
     draw({"run": points}, out)
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_point_without_output_tokens_shows_no_cpu_per_token_and_is_left_out_of_the_medians() -> None:
+    answered = _point("gateway", 16, 4000.0, 50.0)
+    failed = _point(
+        "gateway", 16, 0.0, float("nan"), errors=64, cpu_s_per_1k_tokens=dict.fromkeys(answered["cpu_s_per_1k_tokens"])
+    )
+    row = markdown([{**failed, "ok": 0, "requests": 64, "ttft_p99_ms": float("nan"), "itl_p99_ms": float("nan")}])
+    assert row.splitlines()[2].endswith("| - | - | - | - |")
+    [judged_row] = goals([_point("direct", 16, 4000.0, 50.0), answered, failed])
+    assert judged_row["gateway_cpu_s_per_1k_tokens"] == 0.04
