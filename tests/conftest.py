@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from collections.abc import Iterator
@@ -159,3 +160,12 @@ def engine(fake_engine: FakeEngineControl) -> FakeEngineControl:
     """The module's fake engine, reset: no recorded requests, zeroed counters, /health 200."""
     fake_engine.reset()
     return fake_engine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collected_at_module_end() -> Iterator[None]:
+    """Collect garbage as each module ends: an object a module left open (a socket, a Redis connection) warns when
+    collected, and the warnings fail as errors (`filterwarnings`); collected here, they fail the module that leaked
+    it, not whichever test runs when the collector happens to."""
+    yield
+    gc.collect()

@@ -48,6 +48,13 @@ async def store(client: redis_asyncio.Redis, settings: Settings) -> AsyncIterato
 
 
 @pytest.fixture
+async def limiter(client: redis_asyncio.Redis, settings: Settings) -> AsyncIterator[RedisRateLimiter]:
+    made = RedisRateLimiter(client, settings)
+    yield made
+    await made.stop()  # before the client closes, as the gateway stops them
+
+
+@pytest.fixture
 async def other_store(settings: Settings) -> AsyncIterator[KeyStore]:
     """A second process's view: its own client (pool, pub/sub connection) and cache."""
     connection = connect_redis(settings)
@@ -211,9 +218,8 @@ async def test_expiry_applies_to_cached_keys(store: KeyStore) -> None:
     assert (await store.get("brief")).state(datetime.now(UTC)).value == "expired"
 
 
-async def test_usage_bookkeeping(store: KeyStore, client: redis_asyncio.Redis, settings: Settings) -> None:
+async def test_usage_bookkeeping(store: KeyStore, limiter: RedisRateLimiter) -> None:
     key, _ = await store.create("alice", KeyLimits(tokens_per_minute=10_000))
-    limiter = RedisRateLimiter(client, settings)
     before = datetime.now(UTC) - timedelta(seconds=1)
     first = await limiter.acquire(key, 100)
     await limiter.release(first, 40)
@@ -225,9 +231,10 @@ async def test_usage_bookkeeping(store: KeyStore, client: redis_asyncio.Redis, s
     assert (await limiter.usage(["bob"]))["bob"].last_used is None
 
 
-async def test_the_secret_never_reaches_redis(store: KeyStore, client: redis_asyncio.Redis, settings: Settings) -> None:
+async def test_the_secret_never_reaches_redis(
+    store: KeyStore, client: redis_asyncio.Redis, limiter: RedisRateLimiter
+) -> None:
     secrets = []
-    limiter = RedisRateLimiter(client, settings)
     for name in ("a", "b", "c"):
         key, secret = await store.create(name, KeyLimits(2, 100, 1), models=["m"])
         secrets.append(secret)

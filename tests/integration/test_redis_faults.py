@@ -394,6 +394,8 @@ async def test_an_admission_whose_reply_was_lost_is_retried_without_charging_twi
         third = await direct.acquire(key, 0)
         assert third.headers["x-ratelimit-remaining-requests"] == "0", "the lost reply charged the key twice"
     finally:
+        await limiter.stop()
+        await direct.stop()
         await through_proxy.aclose()
         await proxy.stop()
 
