@@ -364,7 +364,7 @@ class DrainingServer(uvicorn.Server):
     _loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # A signal handler only records (the loop acts): one attribute set, read by the /ready route.
+        # A signal handler only records (the loop acts): flags read by the /ready route and by new connections.
         app: Any = self.config.app  # the FastAPI app `serve` built; uvicorn types it as any ASGI app
         app.state.readiness.draining = True
         if isinstance(self.config, ServerConfig):
