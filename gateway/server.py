@@ -100,6 +100,7 @@ def serve_socket(
     config = ServerConfig(
         create_app(settings, shared),
         limits=limits,
+        freeze_heap=True,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
