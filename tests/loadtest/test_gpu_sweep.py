@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 from loadtest.gpu.chart import draw, medians
-from loadtest.gpu.sweep import client_check, clients_for, goals, markdown, plan, role_of, shares
+from loadtest.gpu.sweep import client_check, clients_for, goals, markdown, plan, point_loads, role_of, shares
 
 
 def test_roles_follow_the_command_lines_of_the_stack() -> None:
@@ -111,6 +112,18 @@ def test_the_client_check_compares_twice_the_clients_with_the_judged_points() ->
 def test_a_point_takes_one_client_per_streams_per_client_and_splits_its_load_whole() -> None:
     assert [clients_for(c, 128) for c in (1, 16, 64, 128, 129, 256)] == [1, 1, 1, 1, 2, 2]
     assert shares(256, 2) == [128, 128] and shares(255, 4) == [64, 64, 64, 63] and sum(shares(1024, 3)) == 1024
+
+
+def test_every_client_of_a_point_warms_up_with_a_full_wave_of_its_own_streams_first() -> None:
+    args = argparse.Namespace(
+        min_requests=16, prompts_per_stream=4, direct="http://d", gateway="http://g", tokenizer="t", input_len=200,
+        max_tokens=128,
+    )  # fmt: skip
+    loads = point_loads(args, "gateway", 256, seed=3, clients=4)
+    assert [(load.concurrency, load.warmups, load.prompts) for load in loads] == [(64, 64, 256)] * 4
+    assert {load.base_url for load in loads} == {"http://g"} and len({load.seed for load in loads}) == 4
+    (alone,) = point_loads(args, "direct", 1, seed=1)
+    assert (alone.concurrency, alone.warmups, alone.prompts, alone.base_url) == (1, 1, 16, "http://d")
 
 
 def test_the_plan_interleaves_targets_and_alternates_who_goes_first() -> None:
