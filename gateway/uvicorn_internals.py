@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import http
+import weakref
 from asyncio import TimerHandle
 from collections.abc import Callable
 from types import FrameType
@@ -100,12 +101,15 @@ class ChunkWriter:
     __slots__ = ("_cycle",)
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
-        self._cycle = cycle
+        # Weakly: the cycle's scope holds this writer, and a strong reference back made every request a reference
+        # cycle (scope, record and all) that only the garbage collector freed.
+        self._cycle = weakref.ref(cycle)
 
     def write(self, body: bytes) -> bool:
-        cycle = self._cycle
+        cycle = self._cycle()
         if (
-            cycle.disconnected
+            cycle is None
+            or cycle.disconnected
             or cycle.transport.is_closing()  # closed by the server itself: uvloop refuses writes at once
             or cycle.flow.write_paused
             or not cycle.response_started
@@ -129,11 +133,12 @@ class ConnectionWatch:
     __slots__ = ("_callback", "_cycle")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
-        self._cycle = cycle
+        self._cycle = weakref.ref(cycle)  # weakly, as `ChunkWriter`: the cycle's scope holds this watch
         self._callback: Callable[[], None] | None = None
 
     def arm(self, callback: Callable[[], None]) -> bool:
-        if self._cycle.disconnected:
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected:
             return False
         self._callback = callback
         return True

@@ -1,4 +1,5 @@
-"""Real server processes for tests: free ports, start/ready/stop in a process group, polling, the fake engine.
+"""Real server processes for tests: free ports, start/ready/stop in a process group, polling, the fake engine; and
+the gateway's own server (uvicorn with its protocol) serving an app in the test's loop (`serving_on_loopback`).
 
 The runner is the project's own (`gateway.supervisor.process.LoggedProcess`, which the load tool uses too); the
 fake engine is spoken to over HTTP only.
@@ -7,17 +8,23 @@ fake engine is spoken to over HTTP only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
+import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar, overload
 
 import httpx
 
+from gateway.client_limits import ClientLimits
+from gateway.settings import Settings
 from gateway.supervisor.process import LoggedProcess, ProcessStartError, free_port
+from gateway.types import ASGIApp
+from gateway.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -257,3 +264,26 @@ def run_gateway(
         port=port,
     )
     return proc.start()
+
+
+@contextlib.asynccontextmanager
+async def serving_on_loopback(app: ASGIApp) -> AsyncIterator[tuple[DrainingServer, int]]:
+    """`app` served by the gateway's server (`GuardedHttpToolsProtocol`, default client limits, no lifespan) on a
+    loopback port in this loop; the server and its port, stopped on leaving."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    settings = Settings()
+    config = ServerConfig(
+        app, limits=ClientLimits.from_settings(settings), http=GuardedHttpToolsProtocol, lifespan="off", log_config=None
+    )
+    server = DrainingServer(config)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await async_wait_until(lambda: server.started, within=10, message="the server never started")
+        yield server, sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(serving, 10)
+        sock.close()

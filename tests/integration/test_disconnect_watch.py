@@ -8,17 +8,12 @@ sends a request and hangs up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 
 import pytest
 
-from gateway.client_limits import ClientLimits
 from gateway.relay.disconnect import ClientDisconnectedError, disconnect_watch, run_until_disconnect
-from gateway.settings import Settings
 from gateway.types import Message, Receive, Scope, Send
-from gateway.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
-from tests.procs import async_wait_until
+from tests.procs import serving_on_loopback
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -59,18 +54,7 @@ class WaitingApp:
 
 async def test_a_client_hanging_up_cancels_the_work_through_the_servers_watch() -> None:
     app = WaitingApp()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    port = sock.getsockname()[1]
-    settings = Settings()
-    config = ServerConfig(
-        app, limits=ClientLimits.from_settings(settings), http=GuardedHttpToolsProtocol, lifespan="off", log_config=None
-    )
-    server = DrainingServer(config)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        await async_wait_until(lambda: server.started, within=10, message="the server never started")
+    async with serving_on_loopback(app) as (_, port):
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(REQUEST)
         await writer.drain()
@@ -80,8 +64,3 @@ async def test_a_client_hanging_up_cancels_the_work_through_the_servers_watch() 
         assert await asyncio.wait_for(app.outcome, 5) == "work cancelled"
         assert app.watched == [True]
         assert app.reads_after_body == 0  # nobody read `receive` to learn it
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(serving, 10)
-        sock.close()
