@@ -267,9 +267,9 @@ def run_gateway(
 
 
 @contextlib.asynccontextmanager
-async def serving_on_loopback(app: ASGIApp) -> AsyncIterator[tuple[DrainingServer, int]]:
+async def serving_on_loopback(app: ASGIApp) -> AsyncIterator[int]:
     """`app` served by the gateway's server (`GuardedHttpToolsProtocol`, default client limits, no lifespan) on a
-    loopback port in this loop; the server and its port, stopped on leaving."""
+    loopback port in this loop; its port, the server stopped on leaving."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
@@ -281,7 +281,7 @@ async def serving_on_loopback(app: ASGIApp) -> AsyncIterator[tuple[DrainingServe
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         await async_wait_until(lambda: server.started, within=10, message="the server never started")
-        yield server, sock.getsockname()[1]
+        yield sock.getsockname()[1]
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

@@ -150,7 +150,6 @@ def run_point(
     """One load point driven by `vllm bench serve` (split over `clients` processes, each its share of the streams
     and prompts, seeds apart); vLLM's figures, the client processes' CPU, and the CPU each role spent during it.
     `check`: a point of the client check, not one the goals judge."""
-    prompts = max(args.min_requests, args.prompts_per_stream * concurrency)
     loads = point_loads(args, target, concurrency, seed, clients=clients, api=api)
     processes = stack_processes(args.root_pid)
     before = cpu_by_role(processes)
@@ -182,7 +181,7 @@ def run_point(
         "cut": any(r["timed_out"] for r in results),
         "concurrency": concurrency,
         "seed": seed,
-        "requests": prompts,
+        "requests": sum(load.prompts for load in loads),
         "ok": sum(r.get("completed") or 0 for r in results),
         "errors": dict(errors),
         # Clients run side by side: their tokens over the longest one's duration.

@@ -54,7 +54,7 @@ class WaitingApp:
 
 async def test_a_client_hanging_up_cancels_the_work_through_the_servers_watch() -> None:
     app = WaitingApp()
-    async with serving_on_loopback(app) as (_, port):
+    async with serving_on_loopback(app) as port:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(REQUEST)
         await writer.drain()

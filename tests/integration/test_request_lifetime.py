@@ -54,7 +54,7 @@ def collector_saving_garbage() -> Iterator[None]:
 
 @pytest.mark.usefixtures("collector_saving_garbage")
 async def test_served_requests_leave_nothing_for_the_garbage_collector() -> None:
-    async with serving_on_loopback(streaming_app) as (_, port):
+    async with serving_on_loopback(streaming_app) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         for _ in range(20):
             writer.write(REQUEST)
