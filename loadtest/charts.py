@@ -1,5 +1,6 @@
 """PNG charts of a results document (matplotlib, Agg canvas, no pyplot state): latency CDF, TTFT and throughput
-against the load (concurrency or rate; the profile names in `profiles` mode).
+against the load (concurrency or rate; the profile names in `profiles` mode). The CDFs plot vLLM's per-request
+figures as saved; the percentiles drawn are vLLM's own.
 
 Without matplotlib (the `loadtest` extra not installed) no chart is written. Imports nothing from `gateway`.
 """
@@ -43,9 +44,7 @@ def write_charts(document: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def _title(document: dict[str, Any]) -> str:
-    workload = document["workload"]
-    mode = "stream" if workload["stream"] else "non-stream"
-    return f"{document['target']['model']} · {workload['endpoint']} {mode}"
+    return f"{document['target']['model']} · {document['workload']['endpoint']}"
 
 
 def _cdf(axes: Axes, values: list[float], label: str) -> None:
@@ -55,20 +54,21 @@ def _cdf(axes: Axes, values: list[float], label: str) -> None:
 
 
 def _latency_cdf(figure: Figure, points: list[dict[str, Any]], document: dict[str, Any]) -> None:
-    has_ttft = any(r["ttft_ms"] is not None for p in points for r in p["requests"])
     panels = (("latency_ms", "end-to-end latency (ms)"), ("ttft_ms", "time to first token (ms)"))
-    chosen = panels if has_ttft else panels[:1]
-    axes_list = figure.subplots(1, len(chosen), squeeze=False)[0]
-    for axes, (key, xlabel) in zip(axes_list, chosen, strict=True):
+    axes_list = figure.subplots(1, len(panels), squeeze=False)[0]
+    for axes, (key, xlabel) in zip(axes_list, panels, strict=True):
+        drawn = False
         for point in points:
-            values = [r[key] for r in point["requests"] if r["outcome"] == "ok" and r[key] is not None]
+            values = [r[key] for r in point["requests"] if r["error"] is None]
             if values:
                 _cdf(axes, values, point["label"])
+                drawn = True
         axes.set_xlabel(xlabel)
         axes.set_ylabel("fraction of requests")
         axes.set_ylim(0, 1.02)
         axes.grid(True, alpha=0.3)
-        axes.legend(fontsize="small")
+        if drawn:  # no request succeeded: an empty panel, no legend to draw
+            axes.legend(fontsize="small")
     figure.suptitle(f"Latency CDF · {_title(document)}")
 
 
@@ -94,20 +94,19 @@ def _x_axis(axes: Axes, points: list[dict[str, Any]], document: dict[str, Any]) 
 def _ttft_vs_load(figure: Figure, points: list[dict[str, Any]], document: dict[str, Any]) -> None:
     axes = figure.subplots()
     xs = _x_axis(axes, points, document)
-    key = "ttft_ms" if any(p["summary"]["ttft_ms"]["count"] for p in points) else "latency_ms"
     quantiles = (("p50", "o-"), ("p90", "s--"), ("p99", "^:"))
     for number, (quantile, style) in enumerate(quantiles):
-        ys = [_num(p["summary"][key][quantile]) for p in points]
+        ys = [_num((p["summary"]["ttft_ms"] or {}).get(quantile)) for p in points]
         if document["kind"] == "profiles":  # no line between unrelated profiles: grouped bars
             axes.bar([x + (number - 1) * 0.25 for x in xs], ys, width=0.25, label=quantile)
         else:
             axes.plot(xs, ys, style, label=quantile)
-    axes.set_ylabel("time to first token (ms)" if key == "ttft_ms" else "latency (ms), non-stream")
+    axes.set_ylabel("time to first token (ms)")
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
     axes.legend()
     what = "by profile" if document["kind"] == "profiles" else "vs load"
-    axes.set_title(f"{'TTFT' if key == 'ttft_ms' else 'Latency'} {what} · {_title(document)}")
+    axes.set_title(f"TTFT {what} · {_title(document)}")
 
 
 def _throughput_vs_load(figure: Figure, points: list[dict[str, Any]], document: dict[str, Any]) -> None:
@@ -121,9 +120,10 @@ def _throughput_vs_load(figure: Figure, points: list[dict[str, Any]], document: 
     axes.grid(True, alpha=0.3)
     right = axes.twinx()
     rps = [p["summary"]["requests_per_s"] for p in points]
-    good = [p["summary"]["goodput"]["per_s"] for p in points]
     right.plot(xs, rps, "s" if categorical else "s--", color="tab:orange", label="requests/s")
-    right.plot(xs, good, "^" if categorical else "^:", color="tab:green", label="goodput/s")
+    if any(p["summary"]["goodput"]["per_s"] is not None for p in points):  # only with an objective set
+        good = [_num(p["summary"]["goodput"]["per_s"]) for p in points]
+        right.plot(xs, good, "^" if categorical else "^:", color="tab:green", label="goodput/s")
     right.set_ylabel("requests/s")
     right.set_ylim(bottom=0)
     handles = axes.get_legend_handles_labels()

@@ -1,7 +1,8 @@
 """The outputs of a run: results.json (see loadtest/schema.py), report.md and the charts, all from one document.
 
 The Markdown is rendered from the document alone, so `python -m loadtest report DIR` redraws a report from a
-saved results.json. Imports nothing from `gateway`.
+saved results.json. Its figures are vLLM's benchmark client's, as `loadtest.points` saved them. Imports nothing
+from `gateway`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,20 @@ from typing import Any
 import orjson
 
 from loadtest.charts import write_charts
+from loadtest.points import Workload, client_version
 from loadtest.processes import revision
-from loadtest.runner import Plan, Point
 from loadtest.schema import SCHEMA_VERSION
-from loadtest.traffic import Traffic
 
 
 def build_document(
-    kind: str, *, base_url: str, model: str, via: str | None, traffic: Traffic, plan: Plan, points: Sequence[Point]
+    kind: str,
+    *,
+    base_url: str,
+    model: str,
+    via: str | None,
+    workload: Workload,
+    points: Sequence[dict[str, Any]],
+    failures: dict[str, str],
 ) -> dict[str, Any]:
     """The results.json document."""
     return {
@@ -29,15 +36,11 @@ def build_document(
         "kind": kind,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "revision": revision(),
+        "client": {"program": "vllm bench serve", "version": client_version()},
         "target": {"base_url": base_url, "model": model, "via": via},
-        "workload": {
-            **traffic.describe(),
-            "requests": plan.requests,
-            "duration_s": plan.duration,
-            "warmup": plan.warmup,
-            "timeout_s": plan.timeout,
-        },
-        "points": [point.as_json() for point in points],
+        "workload": workload.as_json(),
+        "points": list(points),
+        "failures": failures,
     }
 
 
@@ -45,8 +48,12 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def _triple(dist: dict[str, Any]) -> str:
-    return " / ".join(_fmt(dist[q], 1 if (dist[q] or 0) < 100 else 0) for q in ("p50", "p90", "p99"))
+def _ms(value: float | None) -> str:
+    return _fmt(value, 1 if (value or 0) < 100 else 0)
+
+
+def _quantiles(figures: dict[str, float] | None, names: Sequence[str] = ("p50", "p90", "p99")) -> str:
+    return " / ".join(_ms(figures[name] if figures else None) for name in names)
 
 
 def _gpu(point: dict[str, Any]) -> str:
@@ -55,114 +62,132 @@ def _gpu(point: dict[str, Any]) -> str:
 
 
 def _errors(summary: dict[str, Any]) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in summary["errors"].items()) or "0"
+    return ", ".join(f"{reason}: {count}" for reason, count in summary["errors"].items()) or "0"
+
+
+def _goodput(summary: dict[str, Any]) -> str:
+    goodput = summary["goodput"]
+    if goodput["requests"] is None:
+        return "n/a"
+    return f"{goodput['requests']} ({_fmt((goodput['fraction'] or 0) * 100)}%)"
+
+
+def _client(point: dict[str, Any]) -> str:
+    share = point["client"]["run_cpu_share"]
+    return "n/a" if share is None else f"{share:.2f} core{' (bound?)' if point['client']['bound'] else ''}"
+
+
+def _per_stream(summary: dict[str, Any]) -> str:
+    """Tokens/s one stream sees: 1000 / vLLM's median TPOT (ms)."""
+    tpot = (summary["tpot_ms"] or {}).get("p50")
+    return _fmt(1000 / tpot, 1) if tpot else "n/a"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
 
 def points_table(document: dict[str, Any]) -> str:
-    """One row per point: throughput, TTFT, latency, inter-token latency, goodput, errors, GPU memory."""
+    """One row per point: throughput, TTFT, latency, inter-token latency, goodput, errors, the client, GPU memory."""
     header = [
-        "point",
-        "ok / sent",
-        "req/s",
-        "out tok/s",
-        "TTFT p50/p90/p99 ms",
-        "latency p50/p90/p99 ms",
-        "ITL mean p50 ms",
-        "ITL p99 p50 ms",
-        "tok/s per stream p50",
-        "goodput",
-        "errors",
-        "GPU mem",
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        "point", "ok / sent", "req/s", "out tok/s", "TTFT p50/p90/p99 ms", "latency p50/p90/p99 ms",
+        "ITL p50/p99 ms", "tok/s per stream", "goodput", "errors", "client CPU", "GPU mem",
+    ]  # fmt: skip
+    rows = []
     for point in document["points"]:
         s = point["summary"]
-        goodput = s["goodput"]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    point["label"],
-                    f"{s['ok']} / {s['requests']}",
-                    _fmt(s["requests_per_s"], 2),
-                    _fmt(s["output_tokens_per_s"], 1),
-                    _triple(s["ttft_ms"]),
-                    _triple(s["latency_ms"]),
-                    _fmt(s["itl_mean_ms"]["p50"], 1),
-                    _fmt(s["itl_p99_ms"]["p50"], 1),
-                    _fmt(s["stream_tokens_per_s"]["p50"], 1),
-                    f"{goodput['requests']} ({_fmt((goodput['fraction'] or 0) * 100)}%)",
-                    _errors(s),
-                    _gpu(point),
-                ]
-            )
-            + " |"
+        rows.append(
+            [
+                point["label"],
+                f"{s['completed']} / {s['completed'] + s['failed']}",
+                _fmt(s["requests_per_s"], 2),
+                _fmt(s["output_tokens_per_s"], 1),
+                _quantiles(s["ttft_ms"]),
+                _quantiles(s["e2el_ms"]),
+                _quantiles(s["itl_ms"], ("p50", "p99")),
+                _per_stream(s),
+                _goodput(s),
+                _errors(s),
+                _client(point),
+                _gpu(point),
+            ]
         )
-    return "\n".join(lines) + "\n"
+    return _table(header, rows)
 
 
 def profiles_table(document: dict[str, Any]) -> str:
-    """The profiles table: profile → P50, P99 (end-to-end latency), tokens/s, GPU memory."""
+    """The profiles table: profile → P50, P99 (end-to-end latency), tokens/s, GPU memory, TTFT, per stream, errors."""
     header = ["profile", "P50", "P99", "tokens/s", "GPU memory", "TTFT P50", "tok/s per stream", "errors"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for point in document["points"]:
         s = point["summary"]
-        lines.append(
-            f"| {point['label']} | {_fmt(s['latency_ms']['p50'])} ms | {_fmt(s['latency_ms']['p99'])} ms | "
-            f"{_fmt(s['output_tokens_per_s'], 1)} | {_gpu(point)} | {_fmt(s['ttft_ms']['p50'])} ms | "
-            f"{_fmt(s['stream_tokens_per_s']['p50'], 1)} | {_errors(s)} |"
+        e2el, ttft = s["e2el_ms"] or {}, s["ttft_ms"] or {}
+        rows.append(
+            [
+                point["label"],
+                f"{_fmt(e2el.get('p50'))} ms",
+                f"{_fmt(e2el.get('p99'))} ms",
+                _fmt(s["output_tokens_per_s"], 1),
+                _gpu(point),
+                f"{_fmt(ttft.get('p50'))} ms",
+                _per_stream(s),
+                _errors(s),
+            ]
         )
-    return "\n".join(lines) + "\n"
+    return _table(header, rows)
 
 
 def _describe(document: dict[str, Any]) -> str:
     w = document["workload"]
     prompts = w["prompts"]
-    if prompts["source"] == "synthetic":
-        shape = f"{prompts['distribution']} lengths mean {prompts['mean']:g} sd {prompts['stddev']:g} words"
-        source = f"synthetic prompts, {shape}"
+    if prompts["source"] == "random":
+        spread = f" ±{prompts['range_ratio']:.0%}" if prompts["range_ratio"] else ""
+        source = f"random prompts of {prompts['input_len']}{spread} tokens"
     else:
-        source = f"{prompts['count']} prompts from {prompts['path']}"
-    low, high = w["max_tokens"]
-    tokens = f"max_tokens {low}" if low == high else f"max_tokens {low}-{high}"
+        source = f"prompts from {prompts['path']}"
+    tokens = "each line's output_tokens" if w["output_len"] is None else f"{w['output_len']} output tokens"
+    requests = "rate x duration" if w["requests"] is None else w["requests"]
+    warmup = f"{w['warmup']} warm-up request{'' if w['warmup'] == 1 else 's'}"
     via = f" via {document['target']['via']}" if document["target"]["via"] else ""
+    client = document["client"]
     return (
         f"{document['kind']} at {document['revision']}, {document['created']}: `{document['target']['model']}` at "
-        f"{document['target']['base_url']}{via}; {w['endpoint']} {'stream' if w['stream'] else 'non-stream'}, "
-        f"{source}, {tokens}{', ignore_eos' if w['ignore_eos'] else ''}; up to {w['requests']} requests or "
-        f"{w['duration_s']:g} s per point after {w['warmup']} warm-up requests."
+        f"{document['target']['base_url']}{via}; {client['program']} (vLLM {client['version']}), {w['endpoint']} "
+        f"streamed, {source}, {tokens}{', ignore_eos' if w['ignore_eos'] else ''}; {requests} requests per point "
+        f"after {warmup}, the client killed after {w['time_box_s']:g} s."
     )
 
 
 def render_markdown(document: dict[str, Any], charts: Sequence[str] = ()) -> str:
-    """report.md: what ran, the field-report table (profiles), one row per point, first errors, charts."""
+    """report.md: what ran, the field-report table (profiles), one row per point, failures, charts."""
     parts = [f"# Load test: {document['kind']}", "", _describe(document), ""]
     if document["kind"] == "profiles":
         parts += ["## Profiles", "", profiles_table(document)]
     parts += ["## Points", "", points_table(document)]
     parts.append(
-        "TTFT: time to the first streamed token; ITL: gap between two streamed tokens (mean, and each stream's "
-        f"p99, then the median over streams); goodput: {_objectives(document)}. "
-        "GPU memory: this machine's GPUs after the point (NVML), n/a without one.\n"
+        "Figures are vLLM's benchmark client's. TTFT: time to the first streamed token; ITL: gap between two "
+        "streamed tokens (over all streams); tok/s per stream: 1000 / median TPOT; goodput: "
+        f"{_objectives(document)}. Client CPU: the client's share of a core while it sent (near 1, it may be what "
+        "bounds the point). GPU memory: this machine's GPUs after the point (NVML), n/a without one.\n"
     )
-    for point in document["points"]:
-        for outcome, detail in point["summary"]["first_errors"].items():
-            parts.append(f"- {point['label']}: first `{outcome}`: {detail[:200]}")
+    for label, message in document["failures"].items():
+        parts.append(f"- {label} failed: {message.strip().splitlines()[0][:200] if message.strip() else ''}")
     parts += ["", *(f"![{name}]({name})" for name in charts)]
     return "\n".join(parts).rstrip() + "\n"
 
 
 def _objectives(document: dict[str, Any]) -> str:
-    points = document["points"]
-    goodput = points[0]["summary"]["goodput"] if points else {}
-    set_ = [
-        f"{name} <= {goodput[key]:g} ms"
-        for name, key in (("TTFT", "slo_ttft_ms"), ("latency", "slo_latency_ms"))
-        if goodput.get(key) is not None
+    workload = document["workload"]
+    chosen = [
+        f"{name} <= {workload[key]:g} ms"
+        for name, key in (("TTFT", "slo_ttft_ms"), ("latency", "slo_e2el_ms"))
+        if workload[key] is not None
     ]
-    if not set_:
-        return "no objective set, so every successful request counts"
-    return "requests that succeeded with " + " and ".join(set_)
+    if not chosen:
+        return "n/a, no objective set"
+    return "requests that succeeded with " + " and ".join(chosen)
 
 
 def write_outputs(document: dict[str, Any], out_dir: Path) -> list[Path]:

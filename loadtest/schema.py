@@ -10,7 +10,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped]  # no stubs shipped
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _NUM = {"type": ["number", "null"]}
 _INT = {"type": ["integer", "null"]}
@@ -21,9 +21,13 @@ def _object(properties: dict[str, Any], *, extra: bool = True) -> dict[str, Any]
     return {"type": "object", "required": list(properties), "properties": properties, "additionalProperties": extra}
 
 
-_DISTRIBUTION = _object(
-    {"count": {"type": "integer"}, "mean": _NUM, "p50": _NUM, "p90": _NUM, "p99": _NUM, "max": _NUM}
-)
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+# vLLM's figures of one metric (ms): its mean and the percentiles asked for; null when no request succeeded.
+_FIGURES = _nullable(_object({"mean": {"type": "number"}, "p50": {"type": "number"}, "p90": {"type": "number"},
+                              "p99": {"type": "number"}}))  # fmt: skip
 _COUNTS = {"type": "object", "additionalProperties": {"type": "integer"}}
 _SERIES = {"type": ["object", "null"], "additionalProperties": {"type": "number"}}
 _GPU = _object(
@@ -33,49 +37,50 @@ _SNAPSHOT = _object({"at": {"type": "number"}, "metrics": _SERIES, "gpus": {"typ
 
 SUMMARY = _object(
     {
-        "requests": {"type": "integer"},
-        "ok": {"type": "integer"},
-        "errors": _COUNTS,
-        "first_errors": {"type": "object", "additionalProperties": {"type": "string"}},
-        "wall_s": {"type": "number"},
+        "completed": {"type": "integer"},
+        "failed": {"type": "integer"},
+        "duration_s": {"type": "number"},
         "requests_per_s": {"type": "number"},
+        "input_tokens": {"type": "integer"},
         "output_tokens": {"type": "integer"},
         "output_tokens_per_s": {"type": "number"},
-        "prompt_tokens": _INT,
-        "usage_reported": {"type": "integer"},
-        "latency_ms": _DISTRIBUTION,
-        "ttft_ms": _DISTRIBUTION,
-        "itl_mean_ms": _DISTRIBUTION,
-        "itl_p99_ms": _DISTRIBUTION,
-        "tpot_ms": _DISTRIBUTION,
-        "stream_tokens_per_s": _DISTRIBUTION,
-        "dispatch_lag_ms": _DISTRIBUTION,
         "goodput": _object(
             {
                 "slo_ttft_ms": _NUM,
-                "slo_latency_ms": _NUM,
-                "requests": {"type": "integer"},
+                "slo_e2el_ms": _NUM,
+                "requests": _INT,
                 "fraction": _NUM,
-                "per_s": {"type": "number"},
+                "per_s": _NUM,
             }
         ),
+        "ttft_ms": _FIGURES,
+        "tpot_ms": _FIGURES,
+        "itl_ms": _FIGURES,
+        "e2el_ms": _FIGURES,
+        "client_queue_time_ms": _FIGURES,
+        "errors": _COUNTS,
     }
 )
 
 REQUEST = _object(
     {
-        "index": {"type": "integer"},
-        "sent_at_s": {"type": "number"},
-        "lag_ms": _NUM,
-        "outcome": {"type": "string"},
-        "status": {"type": "integer"},
-        "latency_ms": _NUM,
+        "start_s": {"type": "number"},
         "ttft_ms": _NUM,
-        "itl_mean_ms": _NUM,
-        "itl_p99_ms": _NUM,
+        "latency_ms": _NUM,
+        "input_tokens": {"type": "integer"},
         "output_tokens": {"type": "integer"},
-        "prompt_tokens": _INT,
-        "token_events": {"type": "integer"},
+        "error": _STR,
+    }
+)
+
+CLIENT = _object(
+    {
+        "cpu_s": {"type": "number"},
+        "wall_s": {"type": "number"},
+        "run_cpu_share": _NUM,
+        "returncode": {"type": "integer"},
+        "timed_out": {"type": "boolean"},
+        "bound": {"type": "boolean"},
     }
 )
 
@@ -87,7 +92,10 @@ POINT = _object(
         "max_concurrency": _INT,
         "profile": _STR,
         "base_url": {"type": "string"},
+        "seed": {"type": "integer"},
+        "num_prompts": {"type": "integer"},
         "summary": SUMMARY,
+        "client": CLIENT,
         "telemetry": _object(
             {
                 "before": _SNAPSHOT,
@@ -101,6 +109,19 @@ POINT = _object(
     }
 )
 
+_PROMPTS = {
+    "oneOf": [
+        _object(
+            {
+                "source": {"const": "random"},
+                "input_len": {"type": "integer"},
+                "range_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+            }
+        ),
+        _object({"source": {"const": "file"}, "path": {"type": "string"}}),
+    ]
+}
+
 RESULTS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "nemotron-loadtest results.json",
@@ -110,23 +131,28 @@ RESULTS_SCHEMA: dict[str, Any] = {
             "kind": {"type": "string", "enum": ["run", "sweep", "profiles"]},
             "created": {"type": "string"},
             "revision": {"type": "string"},
+            "client": _object({"program": {"type": "string"}, "version": _STR}),
             "target": _object({"base_url": {"type": "string"}, "model": {"type": "string"}, "via": _STR}),
             "workload": _object(
                 {
                     "endpoint": {"type": "string", "enum": ["chat", "completions"]},
-                    "stream": {"type": "boolean"},
-                    "prompts": {"type": "object"},
-                    "max_tokens": {"type": "array", "items": {"type": "integer"}},
+                    "prompts": _PROMPTS,
+                    "output_len": _INT,
                     "temperature": {"type": "number"},
                     "ignore_eos": {"type": "boolean"},
                     "seed": {"type": "integer"},
-                    "requests": {"type": "integer"},
+                    "requests": _INT,
                     "duration_s": {"type": "number"},
+                    "time_box_s": {"type": "number"},
                     "warmup": {"type": "integer"},
-                    "timeout_s": {"type": "number"},
+                    "burstiness": {"type": "number"},
+                    "slo_ttft_ms": _NUM,
+                    "slo_e2el_ms": _NUM,
+                    "tokenizer": {"type": "string"},
                 }
             ),
             "points": {"type": "array", "items": POINT},
+            "failures": {"type": "object", "additionalProperties": {"type": "string"}},
         }
     ),
 }

@@ -5,7 +5,8 @@ It must cost far less CPU than the gateway so its core is never the bottleneck. 
 
     python -m loadtest.stub_engine --port P [--chunks N] [--chunk-delay S] [--prefill-delay S]
 
-A stream has `max_tokens` content chunks when the body carries `"max_tokens":<n>`, else `--chunks`.
+A stream has `max_tokens` content chunks when the body carries `"max_tokens":<n>` (or the chat API's
+`"max_completion_tokens":<n>`, which vLLM's benchmark client sends), else `--chunks`.
 `--prefill-delay` holds the first content chunk (and a non-streamed answer) back, like a prompt's prefill;
 later chunks follow `--chunk-delay` apart, so a load generator's TTFT and inter-token latency are known.
 Request bodies need a Content-Length (no chunked uploads); pipelined requests are answered in order.
@@ -221,7 +222,7 @@ class _Connection(asyncio.Protocol):
 
     def _start_stream(self, transport: asyncio.Transport, chat: bool, body: bytes) -> None:
         canned = self._canned
-        count = _int_after(body, b'"max_tokens":') or self._chunks
+        count = _int_after(body, b'"max_tokens":') or _int_after(body, b'"max_completion_tokens":') or self._chunks
         count = max(1, min(count, _MAX_CHUNKS))
         chunk, last = (canned.chat_chunk, canned.chat_last) if chat else (canned.text_chunk, canned.text_last)
         frames = [chunk] * (count - 1)

@@ -1,4 +1,5 @@
-"""vLLM's own benchmark client (`vllm bench serve`) as the GPU steps drive it: argv, processes, their CPU, results.
+"""vLLM's own benchmark client (`vllm bench serve`) as the GPU steps and `nemotron-loadtest` drive it: argv,
+processes, their CPU, results.
 
 `python -m loadtest.gpu.bench ARGS...` runs vLLM's `vllm bench serve` in this process with ARGS, unchanged, except
 that a vLLM without the Responses backend (0.26.0, the GPU machine's) gets one registered first (`openai-responses`:
@@ -46,21 +47,47 @@ class Load:
     goodput_ttft_ms: float | None = None
     warmups: int = 0
     model: str = "nemotron"
+    # Optional, for `nemotron-loadtest`; their defaults give the GPU steps' command line unchanged.
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    range_ratio: float | None = None  # --random-range-ratio: lengths uniform in [len * (1 - r), len * (1 + r)]
+    prompts_file: Path | None = None  # vLLM's custom dataset (JSONL) instead of random prompts
+    burstiness: float | None = None  # --burstiness: 1 is Poisson arrivals (vLLM's default)
+    goodput_e2el_ms: float | None = None
+    percentile_metrics: str = "ttft,itl,e2el"
+    metric_percentiles: str = "50,99"
 
 
-_BACKENDS = {"chat": ("openai-chat", "/v1/chat/completions"), "responses": ("openai-responses", "/v1/responses")}
+_BACKENDS = {
+    "chat": ("openai-chat", "/v1/chat/completions"),
+    "responses": ("openai-responses", "/v1/responses"),
+    "completions": ("openai", "/v1/completions"),
+}
 
 
 def argv(load: Load, result_dir: Path, name: str) -> list[str]:
-    """The command line of one run: random prompts of fixed lengths, ignore_eos, streamed, p50/p99 saved."""
+    """The command line of one run: random prompts of fixed lengths (or a prompts file), ignore_eos, streamed, the
+    chosen percentiles saved with every request's figures."""
     backend, endpoint = _BACKENDS[load.api]
+    if load.prompts_file is None:
+        dataset = [
+            "--dataset-name", "random", "--random-input-len", str(load.input_len),
+            "--random-output-len", str(load.output_len),
+        ]  # fmt: skip
+        if load.range_ratio is not None:
+            dataset += ["--random-range-ratio", f"{load.range_ratio:g}"]
+    else:  # the prompt is sent as written: the chat endpoint applies the server's own template
+        dataset = [
+            "--dataset-name", "custom", "--dataset-path", str(load.prompts_file),
+            "--custom-output-len", str(load.output_len), "--skip-chat-template",
+        ]  # fmt: skip
     args = [
         sys.executable, "-m", "loadtest.gpu.bench", "--backend", backend, "--base-url", load.base_url,
         "--endpoint", endpoint, "--model", load.model, "--tokenizer", load.tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(load.input_len),
-        "--random-output-len", str(load.output_len), "--ignore-eos", "--num-prompts", str(load.prompts),
-        "--seed", str(load.seed), "--temperature", "0", "--percentile-metrics", "ttft,itl,e2el",
-        "--metric-percentiles", "50,99", "--num-warmups", str(load.warmups), "--disable-tqdm",
+        *dataset, *(["--ignore-eos"] if load.ignore_eos else []), "--num-prompts", str(load.prompts),
+        "--seed", str(load.seed), "--temperature", f"{load.temperature:g}",
+        "--percentile-metrics", load.percentile_metrics, "--metric-percentiles", load.metric_percentiles,
+        "--num-warmups", str(load.warmups), "--disable-tqdm",
         "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", f"{name}.json",
         "--ready-check-timeout-sec", "0",
     ]  # fmt: skip
@@ -68,8 +95,12 @@ def argv(load: Load, result_dir: Path, name: str) -> list[str]:
         args += ["--max-concurrency", str(load.concurrency)]
     if load.rate is not None:
         args += ["--request-rate", f"{load.rate:.3f}"]
-    if load.goodput_ttft_ms is not None:
-        args += ["--goodput", f"ttft:{load.goodput_ttft_ms:g}"]
+    objectives = (("ttft", load.goodput_ttft_ms), ("e2el", load.goodput_e2el_ms))
+    goodput = [f"{metric}:{ms:g}" for metric, ms in objectives if ms is not None]
+    if goodput:
+        args += ["--goodput", *goodput]
+    if load.burstiness is not None:
+        args += ["--burstiness", f"{load.burstiness:g}"]
     return args
 
 

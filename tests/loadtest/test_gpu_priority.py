@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from loadtest.gpu import priority
+from tests.loadtest.conftest import threaded_http_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,12 +60,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with threaded_http_server(_Handler) as url:
+        yield url
 
 
 def test_the_engine_queue_sums_vllms_gauges_over_engines(server: str) -> None:

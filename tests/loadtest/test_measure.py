@@ -1,110 +1,137 @@
-"""The load tool's figures against the stub engine's known delays: TTFT, inter-token latency, usage, errors,
-and the open loop's arrival rate."""
+"""vLLM's benchmark client through `nemotron-loadtest run`, against servers whose answers are known: the stub
+engine's injected delays give TTFT, inter-token latency and latency; its lengths give goodput against objectives;
+an odd server's refusals give the errors by reason."""
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import io
 import itertools
+import json
 import statistics
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from loadtest.loadgen import arrival_times
-from loadtest.runner import LoadShape, Plan, Target, fetch_model, run_point
-from loadtest.summary import Objectives
-from loadtest.traffic import SyntheticPrompts, Traffic
-from tests.loadtest.conftest import CHUNK_S, PREFILL_S
+from loadtest.cli import main
+from loadtest.points import Target, TargetError, fetch_model
+from tests.loadtest.conftest import CHUNK_S, PREFILL_S, threaded_http_server
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(300)  # each run starts vLLM's client: tens of seconds on a loaded machine
 
 TOKENS = 10
+RANGE_RATIO = 0.5  # output lengths 5..15 tokens, so latencies spread around the objective below
+SLO_LATENCY_MS = round((PREFILL_S + (TOKENS - 1) * CHUNK_S) * 1000, 3)
 # The machine is shared (2 cores): generous on the slow side, tight on the fast side (a stub cannot be early).
 SLACK_MS = 25.0
 
 
-BASE = Traffic(model="bench-model", prompts=SyntheticPrompts(mean=16, stddev=4), max_tokens=(TOKENS, TOKENS))
+def _run(argv: list[str], out: Path) -> dict[str, Any]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "--out", str(out)]) == 0
+    return dict(json.loads((out / "results.json").read_text())["points"][0])
 
 
-def _traffic(**changes: Any) -> Traffic:
-    return dataclasses.replace(BASE, **changes)
+@pytest.fixture(scope="module")
+def closed_loop(stub_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One closed-loop point against the stub: completions, lengths spread, TTFT and latency objectives."""
+    argv = [
+        "run", "--base-url", stub_url + "/v1", "--tokenizer", demo_model, "--endpoint", "completions",
+        "--concurrency", "4", "--requests", "24", "--warmup", "2", "--input-len", "16",
+        "--max-tokens", str(TOKENS), "--range-ratio", str(RANGE_RATIO), "--ignore-eos",
+        "--slo-ttft", "1000", "--slo-latency", f"{SLO_LATENCY_MS:g}",
+    ]  # fmt: skip
+    return _run(argv, tmp_path_factory.mktemp("closed"))
 
 
-def _ms(value: float | None) -> float:
-    assert value is not None
-    return value
+def test_ttft_and_inter_token_latency_match_the_injected_delays(closed_loop: dict[str, Any]) -> None:
+    s = closed_loop["summary"]
+    assert (s["completed"], s["failed"], s["errors"]) == (24, 0, {})
+    assert PREFILL_S * 1000 - 1 <= s["ttft_ms"]["p50"] <= PREFILL_S * 1000 + SLACK_MS
+    assert CHUNK_S * 1000 - 1 <= s["itl_ms"]["p50"] <= CHUNK_S * 1000 + 5
+    assert CHUNK_S * 1000 - 1 <= s["tpot_ms"]["p50"] <= CHUNK_S * 1000 + 5
+    requests = closed_loop["requests"]
+    lengths = [r["output_tokens"] for r in requests]
+    assert len(requests) == 24 and sum(lengths) == s["output_tokens"]
+    assert min(lengths) < TOKENS < max(lengths) and all(5 <= n <= 15 for n in lengths)
+    # The stub's first token after PREFILL_S, then one every CHUNK_S: each request's latency follows its length.
+    excess = [r["latency_ms"] - (PREFILL_S + (r["output_tokens"] - 1) * CHUNK_S) * 1000 for r in requests]
+    assert min(excess) >= -1 and statistics.median(excess) <= SLACK_MS
 
 
-async def test_ttft_and_inter_token_latency_match_the_injected_delays(stub_url: str) -> None:
-    plan = Plan(requests=24, duration=20, warmup=2, progress=False)
-    point = await run_point(Target.from_url(stub_url + "/v1"), _traffic(), LoadShape(concurrency=4), plan)
-    s = point.summary
-    assert s.requests == 24 and s.ok == 24 and s.errors == {}
-    assert PREFILL_S * 1000 - 1 <= _ms(s.ttft_ms.p50) <= PREFILL_S * 1000 + SLACK_MS
-    assert CHUNK_S * 1000 - 1 <= _ms(s.itl_mean_ms.p50) <= CHUNK_S * 1000 + 5
-    assert s.itl_mean_ms.count == 24 and s.itl_p99_ms.p50 is not None
-    # Output tokens from the usage chunk; TOKENS - 1 gaps per stream.
-    assert s.output_tokens == 24 * TOKENS and s.usage_reported == 24
-    assert all(len(r.gaps) == TOKENS - 1 for r in point.records)
-    # prefill + 9 gaps + the usage chunk and [DONE], each a chunk delay later.
-    expected_ms = (PREFILL_S + (TOKENS + 1) * CHUNK_S) * 1000
-    assert expected_ms - 1 <= _ms(s.latency_ms.p50) <= expected_ms + SLACK_MS
-    assert s.output_tokens_per_s == pytest.approx(s.output_tokens / s.wall_s, rel=0.01)
-    assert s.goodput.requests == 24 and s.goodput.fraction == 1.0
+def test_goodput_counts_only_requests_within_the_objectives(closed_loop: dict[str, Any]) -> None:
+    goodput = closed_loop["summary"]["goodput"]
+    assert (goodput["slo_ttft_ms"], goodput["slo_e2el_ms"]) == (1000, SLO_LATENCY_MS)
+    within = [r for r in closed_loop["requests"] if r["ttft_ms"] <= 1000 and r["latency_ms"] <= SLO_LATENCY_MS]
+    assert 0 < len(within) < 24, "the objective splits the requests"
+    assert goodput["requests"] == len(within) and goodput["fraction"] == pytest.approx(len(within) / 24)
+    assert goodput["per_s"] == pytest.approx(len(within) / closed_loop["summary"]["duration_s"], rel=0.01)
 
 
-async def test_goodput_counts_only_requests_within_the_objectives(stub_url: str) -> None:
-    target, shape = Target.from_url(stub_url), LoadShape(concurrency=2)
-    tight = Plan(requests=6, duration=10, objectives=Objectives(ttft_ms=PREFILL_S * 1000 / 2), progress=False)
-    loose = Plan(requests=6, duration=10, objectives=Objectives(ttft_ms=1000, latency_ms=5000), progress=False)
-    assert (await run_point(target, _traffic(), shape, tight)).summary.goodput.requests == 0
-    assert (await run_point(target, _traffic(), shape, loose)).summary.goodput.requests == 6
+def test_the_clients_own_cpu_is_recorded(closed_loop: dict[str, Any]) -> None:
+    client = closed_loop["client"]
+    assert client["returncode"] == 0 and not client["timed_out"]
+    # Importing vLLM alone costs the client seconds of CPU; while it sent, a small share of one core.
+    assert client["cpu_s"] > 1.0 and client["wall_s"] > closed_loop["summary"]["duration_s"]
+    assert client["run_cpu_share"] is not None and 0 < client["run_cpu_share"] < 1.5
+    assert client["bound"] == (client["run_cpu_share"] >= 0.9)
 
 
-async def test_non_streamed_completions_have_latency_and_usage_but_no_ttft(stub_url: str) -> None:
-    traffic = _traffic(endpoint="completions", stream=False)
-    plan = Plan(requests=8, duration=10, progress=False)
-    s = (await run_point(Target.from_url(stub_url), traffic, LoadShape(concurrency=2), plan)).summary
-    assert s.ok == 8 and s.ttft_ms.count == 0 and s.itl_mean_ms.count == 0
-    assert PREFILL_S * 1000 - 1 <= _ms(s.latency_ms.p50) <= PREFILL_S * 1000 + SLACK_MS
-    assert s.output_tokens == 8 * 16  # the stub's canned usage
+def test_the_model_comes_from_v1_models(stub_url: str) -> None:
+    assert fetch_model(Target.from_url(stub_url + "/v1/")) == "bench-model"
+    with pytest.raises(TargetError, match="answered 404"):
+        fetch_model(Target.from_url(stub_url + "/nothing"))
 
 
-async def test_errors_are_counted_by_status_and_kind(stub_url: str) -> None:
-    plan = Plan(requests=4, duration=10, progress=False)
-    not_found = await run_point(Target.from_url(stub_url + "/nothing"), _traffic(), LoadShape(concurrency=2), plan)
-    assert not_found.summary.errors == {"404": 4} and not_found.summary.ok == 0
-    assert "not found" in not_found.summary.first_errors["404"]
-    closed = Target.from_url("http://127.0.0.1:9", scrape_metrics=False)  # discard port: nothing listens
-    refused = await run_point(closed, _traffic(), LoadShape(concurrency=1), plan)
-    assert refused.summary.errors == {"connection": 4} and refused.summary.latency_ms.count == 0
+EMPTY_STREAM = "Never received a valid chunk to calculate TTFT.This response will be marked as failed!"
 
 
-async def test_the_model_comes_from_v1_models(stub_url: str) -> None:
-    assert await fetch_model(Target.from_url(stub_url + "/v1/")) == "bench-model"
+class _OddHandler(BaseHTTPRequestHandler):
+    """Answers in turn: 429, 500, a stream with no token, a stream of three tokens."""
+
+    protocol_version = "HTTP/1.0"  # the body ends when the connection closes
+    turns = itertools.count()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        turn = next(self.turns) % 4
+        if turn < 2:
+            self.send_error(429 if turn == 0 else 500)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = {"choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+        events = [chunk] * 3 + [usage] if turn == 3 else []
+        for event in events:
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: the test reads no access log
+        pass
 
 
-async def test_open_loop_sends_at_the_requested_rate(stub_url: str) -> None:
-    plan = Plan(requests=10_000, duration=2.0, progress=False)
-    point = await run_point(Target.from_url(stub_url), _traffic(), LoadShape(rate=50), plan)
-    s = point.summary
-    assert 75 <= s.requests <= 125 and s.ok == s.requests
-    sent = sorted(r.sent_at for r in point.records)
-    gaps = [b - a for a, b in itertools.pairwise(sent)]
-    assert statistics.mean(gaps) == pytest.approx(0.020, abs=0.005)
-    assert sent[-1] < 2.0
-    # Requests go out when they are due, not when an earlier one is answered (each takes ~160 ms here); the
-    # tail is left out: on a shared 2-core machine one scheduling stall can hold the loop for 100 ms.
-    assert _ms(s.dispatch_lag_ms.p50) < 5 and _ms(s.dispatch_lag_ms.p90) < 20
-    assert s.wall_s < 2.0 + 1.0
+@pytest.fixture(scope="module")
+def odd_server() -> Iterator[str]:
+    with threaded_http_server(_OddHandler) as url:
+        yield url
 
 
-def test_poisson_arrivals_are_seeded_and_bounded() -> None:
-    first = arrival_times(50, seed=3, max_requests=10_000, duration=20)
-    assert first == arrival_times(50, seed=3, max_requests=10_000, duration=20)
-    assert first != arrival_times(50, seed=4, max_requests=10_000, duration=20)
-    assert len(first) == pytest.approx(1000, rel=0.1) and first[-1] < 20
-    gaps = [b - a for a, b in itertools.pairwise([0.0, *first])]
-    # Exponential inter-arrival times: the standard deviation equals the mean.
-    assert statistics.stdev(gaps) == pytest.approx(statistics.mean(gaps), rel=0.15)
-    assert len(arrival_times(50, seed=3, max_requests=7, duration=20)) == 7
+def test_errors_are_counted_by_reason(odd_server: str, demo_model: str, tmp_path: Path) -> None:
+    argv = [
+        "run", "--base-url", odd_server, "--model", "odd", "--tokenizer", demo_model, "--endpoint", "completions",
+        "--concurrency", "2", "--requests", "8", "--warmup", "0", "--input-len", "16", "--max-tokens", "3",
+        "--no-metrics",
+    ]  # fmt: skip
+    point = _run(argv, tmp_path)
+    s = point["summary"]
+    assert (s["completed"], s["failed"]) == (2, 6)
+    assert s["errors"] == {"Too Many Requests": 2, "Internal Server Error": 2, EMPTY_STREAM: 2}
+    failed = [r for r in point["requests"] if r["error"] is not None]
+    assert len(failed) == 6 and all(r["ttft_ms"] is None and r["latency_ms"] is None for r in failed)
+    assert [r["output_tokens"] for r in point["requests"] if r["error"] is None] == [3, 3]
+    assert s["goodput"]["requests"] is None, "no objective set: no goodput"

@@ -1,23 +1,20 @@
 """`profiles` on the CPU tier: two operator profiles extending cpu-dev, each started through the supervisor on
-the tiny demo model, measured and stopped; one row per profile. The table's shape is what is checked."""
+the tiny demo model, measured by vLLM's benchmark client (the model path its tokenizer) and stopped; one row per
+profile. The table's shape is what is checked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from loadtest.cli import main
 from loadtest.schema import validate
-from tests.procs import REPO_ROOT
+from tests.loadtest.conftest import CACHE_ROOT
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
-CACHE_ROOT = REPO_ROOT / ".cache"
 PROFILES = """
 [profiles.cpu-a]
 extends = "cpu-dev"
@@ -29,26 +26,6 @@ extends = "cpu-dev"
 description = "cpu-dev, at most 8 sequences in a batch"
 max-num-seqs = 8
 """
-
-
-@pytest.fixture(scope="module")
-def demo_model() -> str:
-    """The demo model the engine tier uses (written by a child: torch stays out of this process)."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed in this venv: run scripts/install-engine-cpu", pytrace=False)
-    code = (
-        "import sys; from pathlib import Path; from tests.engine._vllm import ensure_demo_model as ensure; "
-        "print(ensure(Path(sys.argv[1])))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(CACHE_ROOT)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return done.stdout.strip().splitlines()[-1]
 
 
 def test_profiles_give_one_row_per_profile(
@@ -74,7 +51,7 @@ def test_profiles_give_one_row_per_profile(
             "--start-timeout",
             "240",
             *("--requests", "6", "--concurrency", "2", "--warmup", "1", "--max-tokens", "8", "--ignore-eos"),
-            *("--prompt-tokens-mean", "24", "--timeout", "60", "--out", str(out), "--quiet"),
+            *("--input-len", "24", "--duration", "60", "--out", str(out)),
         ]
     )
     table = capsys.readouterr().out
@@ -87,7 +64,9 @@ def test_profiles_give_one_row_per_profile(
     assert document["target"]["via"] == "engine" and document["target"]["model"] == "nemotron"
     for point in document["points"]:
         summary = point["summary"]
-        assert summary["ok"] == 6 and summary["output_tokens"] == 6 * 8 and summary["ttft_ms"]["count"] == 6
+        assert (summary["completed"], summary["failed"], summary["output_tokens"]) == (6, 0, 6 * 8)
+        assert summary["ttft_ms"]["p50"] > 0 and summary["e2el_ms"]["p99"] >= summary["e2el_ms"]["p50"]
+        assert point["client"]["cpu_s"] > 0 and point["seed"] == 0, "the same requests for every profile"
         # The engine's own counters, scraped before and after the point.
         delta = point["telemetry"]["metrics_delta"]
         assert sum(v for k, v in delta.items() if k.startswith("vllm:generation_tokens_total")) >= 6 * 8

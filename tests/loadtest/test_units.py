@@ -1,87 +1,128 @@
-"""The load tool's pieces on their own: prompts and bodies, the SSE reading of odd streams, metrics parsing,
-aggregates, the live progress text."""
+"""The load tool's pieces on their own: how a point's flags become vLLM's client's command line, how its saved
+result becomes a point's figures, the prompts file check, metrics parsing."""
 
 from __future__ import annotations
 
-import asyncio
-import random
-import statistics
-from collections.abc import AsyncIterator
+import json
 from pathlib import Path
 
-import orjson
 import pytest
-from aiohttp import web
 
-from loadtest.loadgen import Phase, open_session
-from loadtest.progress import LiveProgress
-from loadtest.summary import Objectives, summarize
+from loadtest.cli import check_prompts_file
+from loadtest.gpu import bench
+from loadtest.points import Shape, Workload, error_reason, request_rows, summary
 from loadtest.telemetry import Snapshot, metrics_delta, parse_metrics, server_side
-from loadtest.timing import RequestTiming, timed_request
-from loadtest.traffic import (
-    FilePrompts,
-    PromptFileError,
-    SyntheticPrompts,
-    Traffic,
-    parse_list,
-    parse_token_range,
-)
-from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.parametrize("distribution", ["normal", "lognormal", "uniform", "exponential"])
-def test_synthetic_prompt_lengths_follow_the_distribution(distribution: str) -> None:
-    prompts = SyntheticPrompts(mean=100, stddev=100 if distribution == "exponential" else 20, distribution=distribution)
-    rng = random.Random(1)
-    lengths = [prompts.length(rng) for _ in range(4000)]
-    assert statistics.mean(lengths) == pytest.approx(100, rel=0.05)
-    assert statistics.stdev(lengths) == pytest.approx(prompts.stddev, rel=0.12)
-    assert len(prompts.prompt(random.Random(2)).as_text().split()) == prompts.length(random.Random(2))
-    assert SyntheticPrompts(mean=50, stddev=9, distribution="fixed").length(rng) == 50
+def _flags(load: bench.Load) -> dict[str, list[str]]:
+    """Each flag of the command line with the values after it."""
+    flags: dict[str, list[str]] = {}
+    current: list[str] = []
+    for arg in bench.argv(load, Path("/results"), "p")[3:]:
+        if arg.startswith("--"):
+            current = flags.setdefault(arg, [])
+        else:
+            current.append(arg)
+    return flags
 
 
-def test_bodies_are_reproducible_and_ask_for_usage() -> None:
-    traffic = Traffic(model="m", max_tokens=(4, 40), seed=7)
-    assert traffic.body(3) == Traffic(model="m", max_tokens=(4, 40), seed=7).body(3)
-    assert traffic.body(3) != traffic.body(4)
-    body = orjson.loads(traffic.body(0))
-    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    assert body["messages"][0]["role"] == "user" and 4 <= body["max_tokens"] <= 40
-    plain = orjson.loads(Traffic(model="m", endpoint="completions", stream=False, ignore_eos=True).body(0))
-    assert "stream" not in plain and isinstance(plain["prompt"], str) and plain["ignore_eos"] is True
+def test_a_closed_loop_is_vllms_max_concurrency_at_an_unbounded_rate() -> None:
+    workload = Workload(model="m", tokenizer="/tok", endpoint="completions", requests=40, warmup=2, seed=3)
+    flags = _flags(workload.load("http://h:1", Shape(concurrency=8), seed=4))
+    assert flags["--max-concurrency"] == ["8"] and "--request-rate" not in flags  # vLLM's default: inf
+    assert flags["--backend"] == ["openai"] and flags["--endpoint"] == ["/v1/completions"]
+    assert flags["--num-prompts"] == ["40"] and flags["--num-warmups"] == ["2"] and flags["--seed"] == ["4"]
+    assert flags["--percentile-metrics"] == ["ttft,tpot,itl,e2el,client_queue_time"]
+    assert flags["--metric-percentiles"] == ["50,90,99"]
+    assert "--ignore-eos" not in flags and "--goodput" not in flags and "--burstiness" not in flags
+    assert flags["--dataset-name"] == ["random"] and flags["--random-range-ratio"] == ["0"]
 
 
-def test_prompts_file(tmp_path: Path) -> None:
-    path = tmp_path / "p.jsonl"
-    lines = [
-        {"prompt": "Say hi"},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 3},
-    ]
-    path.write_text("\n".join(orjson.dumps(line).decode() for line in lines) + "\n\n")
-    prompts = FilePrompts.load(path)
-    assert len(prompts.prompts) == 2 and prompts.prompt(2) == prompts.prompt(0)
-    chat = orjson.loads(Traffic(model="m", prompts=prompts).body(1))
-    assert chat["messages"][0]["content"] == "Be brief." and chat["max_tokens"] == 3
-    text = orjson.loads(Traffic(model="m", prompts=prompts, endpoint="completions").body(1))
-    assert text["prompt"] == "Be brief.\nHi"
-    assert orjson.loads(Traffic(model="m", prompts=prompts).body(0))["messages"] == [
-        {"role": "user", "content": "Say hi"}
-    ]
-    path.write_text('{"text": "no"}\n')
-    with pytest.raises(PromptFileError, match=r"p.jsonl:1: needs"):
-        FilePrompts.load(path)
+def test_an_open_loop_is_a_rate_with_burstiness_and_arrivals_over_the_duration() -> None:
+    workload = Workload(
+        model="m", tokenizer="/tok", duration_s=30, burstiness=0.5, slo_ttft_ms=200, slo_e2el_ms=1500, ignore_eos=True
+    )
+    flags = _flags(workload.load("http://h:1", Shape(rate=2.5, max_concurrency=16), seed=0))
+    assert flags["--request-rate"] == ["2.500"] and flags["--burstiness"] == ["0.5"]
+    assert flags["--max-concurrency"] == ["16"] and flags["--num-prompts"] == ["75"]
+    assert flags["--goodput"] == ["ttft:200", "e2el:1500"] and "--ignore-eos" in flags
+    assert flags["--backend"] == ["openai-chat"] and flags["--endpoint"] == ["/v1/chat/completions"]
+    assert "--max-concurrency" not in _flags(workload.load("http://h:1", Shape(rate=2.5), seed=0))
+    assert Workload(model="m", tokenizer="t").num_prompts(Shape(concurrency=1)) == 100
 
 
-def test_ranges_and_lists() -> None:
-    assert parse_token_range("64") == (64, 64) and parse_token_range("16:128") == (16, 128)
-    for bad in ("0", "9:3", "x"):
+def test_a_prompts_file_is_vllms_custom_dataset_sent_as_written(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    own_lengths = Workload(model="m", tokenizer="/tok", prompts_file=prompts, output_len=None, temperature=0.7)
+    flags = _flags(own_lengths.load("http://h:1", Shape(concurrency=1), seed=0))
+    assert flags["--dataset-name"] == ["custom"] and flags["--dataset-path"] == [str(prompts)]
+    assert flags["--custom-output-len"] == ["-1"], "each line's output_tokens"
+    assert "--skip-chat-template" in flags and "--random-range-ratio" not in flags
+    assert flags["--temperature"] == ["0.7"]
+    prompts.write_text('{"prompt": "Say hi", "output_tokens": 3}\n\n{"prompt": "Hello"}\n')
+    check_prompts_file(prompts, output_tokens_needed=False)
+    with pytest.raises(ValueError, match=r"p.jsonl:3: needs \"output_tokens\""):
+        check_prompts_file(prompts, output_tokens_needed=True)
+
+
+def test_shapes() -> None:
+    assert Shape(concurrency=4).label == "c=4" and Shape(rate=0.5).label == "rate=0.5/s"
+    for bad in ({}, {"concurrency": 1, "rate": 1.0}):
         with pytest.raises(ValueError):
-            parse_token_range(bad)
-    assert parse_list("1,2, 4", int) == [1, 2, 4] and parse_list("0.5,2", float) == [0.5, 2.0]
-    with pytest.raises(ValueError):
-        parse_list("1,0", int)
+            Shape(**bad)  # type: ignore[arg-type]
+
+
+TRACEBACK = """Traceback (most recent call last):
+  File "/venv/vllm/benchmarks/lib/endpoint_request_func.py", line 230, in async_request_openai_completions
+    async with session.post(url=api_url, json=payload, headers=headers) as response:
+aiohttp.client_exceptions.ClientConnectorError: Cannot connect to host 127.0.0.1:9 ssl:default [Connection refused]
+"""
+
+
+def test_error_reasons() -> None:
+    assert error_reason("Too Many Requests") == "Too Many Requests"
+    assert error_reason(TRACEBACK).startswith("aiohttp.client_exceptions.ClientConnectorError: Cannot connect")
+
+
+def _saved(tmp_path: Path, **fields: object) -> tuple[dict[str, object], dict[str, object]]:
+    """A saved vLLM result with `fields`, and bench.summarise's figures of it."""
+    (tmp_path / "r.json").write_text(json.dumps(fields))
+    return fields, bench.summarise(tmp_path / "r.json")
+
+
+def test_a_point_where_nothing_succeeded_has_no_figures(tmp_path: Path) -> None:
+    # What vLLM saves then: zeros for every figure, the errors, each request's lists.
+    saved, figures = _saved(
+        tmp_path, completed=0, failed=2, duration=0.5, total_output_tokens=0, output_throughput=0.0,
+        request_throughput=0.0, total_input_tokens=0, mean_ttft_ms=0.0, p50_ttft_ms=0.0, p90_ttft_ms=0.0,
+        p99_ttft_ms=0.0, errors=[TRACEBACK, "Bad Gateway"], start_times=[10.0, 10.5], ttfts=[0.0, 0.0],
+        latencies=[0.0, 0.0], input_lens=[16, 16], output_lens=[0, 0],
+    )  # fmt: skip
+    point = summary(saved, figures, Workload(model="m", tokenizer="t"))
+    assert point["ttft_ms"] is None and point["e2el_ms"] is None
+    assert point["errors"] == {TRACEBACK.strip().splitlines()[-1]: 1, "Bad Gateway": 1}
+    assert point["goodput"] == {"slo_ttft_ms": None, "slo_e2el_ms": None, "requests": None, "fraction": None,
+                                "per_s": None}  # fmt: skip
+    rows = request_rows(saved)
+    assert [r["start_s"] for r in rows] == [0.0, 0.5] and all(r["latency_ms"] is None for r in rows)
+    assert rows[1]["error"] == "Bad Gateway"
+
+
+def test_figures_are_vllms_and_goodput_its_rate_over_the_duration(tmp_path: Path) -> None:
+    figures_ms = {f"{stat}_{metric}_ms": value for metric in ("ttft", "tpot", "itl", "e2el")
+                  for stat, value in (("mean", 5.0), ("p50", 4.0), ("p90", 8.0), ("p99", 9.0))}  # fmt: skip
+    saved, figures = _saved(
+        tmp_path, completed=8, failed=2, duration=2.0, request_goodput=3.0, total_output_tokens=80,
+        output_throughput=40.0, request_throughput=4.0, total_input_tokens=160, errors=[""] * 8 + ["x", "x"],
+        **figures_ms,
+    )  # fmt: skip
+    point = summary(saved, figures, Workload(model="m", tokenizer="t", slo_ttft_ms=6.0))
+    assert point["ttft_ms"] == {"mean": 5.0, "p50": 4.0, "p90": 8.0, "p99": 9.0}
+    assert point["client_queue_time_ms"] is None, "vLLM reports it under a cap only"
+    assert point["goodput"]["requests"] == 6 and point["goodput"]["fraction"] == 0.6
+    assert (point["output_tokens_per_s"], point["errors"]) == (40.0, {"x": 2})
 
 
 GATEWAY_METRICS = """# HELP nemotron_gateway_requests_total Requests answered, by route and HTTP status.
@@ -116,94 +157,3 @@ def test_metrics_parsing_and_deltas() -> None:
     assert derived["gateway_requests"] == 20, "the API routes only, not the scrapes of /metrics"
     assert derived["gateway_ttft_mean_ms"] == pytest.approx(100) and "engine_preemptions" not in derived
     assert metrics_delta(Snapshot(0, None, None), Snapshot(1, after, None)) is None
-
-
-def _record(index: int, *, latency: float, ttft: float | None, outcome: str = "ok") -> RequestTiming:
-    return RequestTiming(index, 0.0, 0.0, outcome=outcome, latency=latency, ttft=ttft, output_tokens=5)
-
-
-def test_summary_percentiles_goodput_and_errors() -> None:
-    records = [_record(i, latency=(i + 1) / 100, ttft=(i + 1) / 1000) for i in range(100)]
-    records += [_record(100, latency=0.5, ttft=None, outcome="429"), _record(101, latency=0, ttft=None, outcome="429")]
-    s = summarize(Phase(records, wall_s=2.0), Objectives(ttft_ms=50, latency_ms=400))
-    assert s.requests == 102 and s.ok == 100 and s.errors == {"429": 2}
-    assert (s.latency_ms.p50, s.latency_ms.p90, s.latency_ms.p99, s.latency_ms.max) == (500, 900, 990, 1000)
-    assert s.ttft_ms.p50 == 50 and s.requests_per_s == 50 and s.output_tokens_per_s == 250
-    assert s.goodput.requests == 40 and s.goodput.per_s == 20  # latency <= 400 ms and TTFT <= 50 ms
-    empty = summarize(Phase([], wall_s=0.0), Objectives())
-    assert empty.latency_ms.p50 is None and empty.goodput.fraction is None
-
-
-def test_live_progress_text() -> None:
-    progress = LiveProgress("c=1", 3, enabled=False)
-    with progress:
-        progress.record(_record(0, latency=0.2, ttft=0.05))
-        progress.record(_record(1, latency=0.004, ttft=None))
-        progress.record(_record(2, latency=1, ttft=None, outcome="timeout"))
-    assert progress.live_text() == "lat p50 4.0 ms p99 200 ms | ttft p50 50 ms p99 50 ms | errors 1"
-
-
-def _sse(*events: object, done: bool = True) -> bytes:
-    lines = [b"data: " + (e if isinstance(e, bytes) else orjson.dumps(e)) + b"\n\n" for e in events]
-    return b"".join(lines) + (b"data: [DONE]\n\n" if done else b"")
-
-
-ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-TOKEN = {"choices": [{"index": 0, "delta": {"content": "a"}}]}
-THINK = {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}
-HELD_BACK = {"choices": [{"index": 0, "delta": {"content": ""}}]}  # a token whose text is not complete yet
-LAST = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}  # OpenAI's closing chunk: no token
-STREAMS = {
-    "/plain": _sse(ROLE, THINK, HELD_BACK, TOKEN, LAST),
-    "/usage": _sse(ROLE, TOKEN, TOKEN, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 9}}),
-    "/error": _sse(ROLE, TOKEN, {"error": {"message": "engine went away", "type": "service_unavailable"}}),
-    "/cut": _sse(ROLE, TOKEN, done=False),
-    "/garbage": _sse(ROLE, b"{not json"),
-}
-
-
-@pytest.fixture
-async def odd_server() -> AsyncIterator[str]:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        if request.path == "/slow":
-            await asyncio.sleep(0.5)
-        return web.Response(body=STREAMS.get(request.path, b""), content_type="text/event-stream")
-
-    app = web.Application()
-    app.router.add_route("POST", "/{name}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-@pytest.mark.parametrize(
-    ("path", "outcome", "tokens", "prompt_tokens"),
-    [
-        ("/plain", "ok", 3, None),  # no usage chunk: the token events are counted; the role chunk is not one
-        ("/usage", "ok", 9, 7),
-        ("/error", "stream_error", 1, None),
-        ("/cut", "incomplete", 1, None),
-        ("/garbage", "protocol", 0, None),
-    ],
-)
-async def test_odd_streams(odd_server: str, path: str, outcome: str, tokens: int, prompt_tokens: int | None) -> None:
-    async with open_session(connections=1, timeout=5, headers={}) as http:
-        record = await timed_request(http, odd_server + path, b"{}", stream=True, record=RequestTiming(0, 0, 0))
-    assert (record.outcome, record.status, record.prompt_tokens) == (outcome, 200, prompt_tokens)
-    assert record.output_tokens == tokens or outcome in ("stream_error", "protocol")
-    if outcome == "ok":
-        assert record.ttft is not None and len(record.gaps) == (2 if path == "/plain" else 1)
-    if outcome == "stream_error":
-        assert "engine went away" in (record.detail or "")
-
-
-async def test_a_timeout_is_its_own_outcome(odd_server: str) -> None:
-    async with open_session(connections=1, timeout=0.1, headers={}) as http:
-        record = await timed_request(http, odd_server + "/slow", b"{}", stream=True, record=RequestTiming(0, 0, 0))
-    assert (record.outcome, record.status, record.ttft) == ("timeout", 0, None)
-    assert 0.1 <= record.latency < 0.4
