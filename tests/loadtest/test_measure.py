@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -90,13 +90,14 @@ EMPTY_STREAM = "Never received a valid chunk to calculate TTFT.This response wil
 
 
 class _OddHandler(BaseHTTPRequestHandler):
-    """Answers in turn: 429, 500, a stream with no token, a stream of three tokens."""
+    """Answers in turn: 429, 500, a stream with no token, a stream of three tokens; keeps every prompt it got."""
 
     protocol_version = "HTTP/1.0"  # the body ends when the connection closes
     turns = itertools.count()
+    prompts: ClassVar[list[str]] = []
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
+        self.prompts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"])
         turn = next(self.turns) % 4
         if turn < 2:
             self.send_error(429 if turn == 0 else 500)
@@ -121,13 +122,19 @@ def odd_server() -> Iterator[str]:
         yield url
 
 
-def test_errors_are_counted_by_reason(odd_server: str, demo_model: str, tmp_path: Path) -> None:
+def test_errors_are_counted_by_reason_and_a_prompts_file_is_sent_as_written(
+    odd_server: str, demo_model: str, tmp_path: Path
+) -> None:
+    written = [f"Prompt number {i}: say something." for i in range(8)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in written))
     argv = [
         "run", "--base-url", odd_server, "--model", "odd", "--tokenizer", demo_model, "--endpoint", "completions",
-        "--concurrency", "2", "--requests", "8", "--warmup", "0", "--input-len", "16", "--max-tokens", "3",
+        "--concurrency", "2", "--requests", "8", "--warmup", "0", "--prompts", str(prompts), "--max-tokens", "3",
         "--no-metrics",
     ]  # fmt: skip
     point = _run(argv, tmp_path)
+    assert sorted(_OddHandler.prompts) == sorted(written), "each line once, its text unchanged"
     s = point["summary"]
     assert (s["completed"], s["failed"]) == (2, 6)
     assert s["errors"] == {"Too Many Requests": 2, "Internal Server Error": 2, EMPTY_STREAM: 2}
