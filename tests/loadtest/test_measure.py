@@ -86,6 +86,7 @@ def test_the_model_comes_from_v1_models(stub_url: str) -> None:
         fetch_model(Target.from_url(stub_url + "/nothing"))
 
 
+KEY = "sk-loadtest-0123456789abcdef"
 EMPTY_STREAM = "Never received a valid chunk to calculate TTFT.This response will be marked as failed!"
 
 
@@ -95,9 +96,11 @@ class _OddHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # the body ends when the connection closes
     turns = itertools.count()
     prompts: ClassVar[list[str]] = []
+    authorizations: ClassVar[set[str | None]] = set()
 
     def do_POST(self) -> None:
         self.prompts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"])
+        self.authorizations.add(self.headers.get("Authorization"))
         turn = next(self.turns) % 4
         if turn < 2:
             self.send_error(429 if turn == 0 else 500)
@@ -122,7 +125,7 @@ def odd_server() -> Iterator[str]:
         yield url
 
 
-def test_errors_are_counted_by_reason_and_a_prompts_file_is_sent_as_written(
+def test_errors_by_reason_a_prompts_file_as_written_and_the_key_sent_but_never_written(
     odd_server: str, demo_model: str, tmp_path: Path
 ) -> None:
     written = [f"Prompt number {i}: say something." for i in range(8)]
@@ -131,10 +134,14 @@ def test_errors_are_counted_by_reason_and_a_prompts_file_is_sent_as_written(
     argv = [
         "run", "--base-url", odd_server, "--model", "odd", "--tokenizer", demo_model, "--endpoint", "completions",
         "--concurrency", "2", "--requests", "8", "--warmup", "0", "--prompts", str(prompts), "--max-tokens", "3",
-        "--no-metrics",
+        "--no-metrics", "--api-key", KEY,
     ]  # fmt: skip
-    point = _run(argv, tmp_path)
+    point = _run(argv, tmp_path / "out")
     assert sorted(_OddHandler.prompts) == sorted(written), "each line once, its text unchanged"
+    assert _OddHandler.authorizations == {f"Bearer {KEY}"}
+    saved = [path for path in (tmp_path / "out").rglob("*") if path.is_file()]
+    assert any(path.suffix == ".log" for path in saved), "vLLM's client log is kept"
+    assert not [path for path in saved if KEY.encode() in path.read_bytes()], "the key is in no output"
     s = point["summary"]
     assert (s["completed"], s["failed"]) == (2, 6)
     assert s["errors"] == {"Too Many Requests": 2, "Internal Server Error": 2, EMPTY_STREAM: 2}
