@@ -278,7 +278,8 @@ def run_profiles(args: argparse.Namespace) -> dict[str, Any]:
     workload = _workload(args, args.model or "", _tokenizer(args, args.model or "", fallback=model_path))
     points: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
-    base_url = ""
+    # Through a gateway, every profile's point has the gateway's URL; straight to the engines, each its own port.
+    base_url = Target.from_url(args.gateway_url).base_url if args.gateway_url else ""
     with _work_dir(args.out) as work:
         for name in names:
             launch = EngineLaunch(
@@ -301,7 +302,6 @@ def run_profiles(args: argparse.Namespace) -> dict[str, Any]:
                     points.append(
                         measure(target, workload, shape, seed=workload.seed, work=work, label=name, profile=name)
                     )
-                    base_url = target.base_url
             except (EngineStartError, TargetError, PointError, TimeoutError) as exc:
                 logger.error("profile %s: %s", name, exc)
                 failures[name] = str(exc)[-2000:]

@@ -152,9 +152,10 @@ def _describe(document: dict[str, Any]) -> str:
     warmup = f"{w['warmup']} warm-up request{'' if w['warmup'] == 1 else 's'}"
     via = f" via {document['target']['via']}" if document["target"]["via"] else ""
     client = document["client"]
+    where = document["target"]["base_url"] or "each profile's own engine"
     return (
         f"{document['kind']} at {document['revision']}, {document['created']}: `{document['target']['model']}` at "
-        f"{document['target']['base_url']}{via}; {client['program']} (vLLM {client['version']}), {w['endpoint']} "
+        f"{where}{via}; {client['program']} (vLLM {client['version']}), {w['endpoint']} "
         f"streamed, {source}, {tokens}{', ignore_eos' if w['ignore_eos'] else ''}; {requests} requests per point "
         f"after {warmup}, the client killed after {w['time_box_s']:g} s."
     )

@@ -70,4 +70,6 @@ def test_profiles_give_one_row_per_profile(
         # The engine's own counters, scraped before and after the point.
         delta = point["telemetry"]["metrics_delta"]
         assert sum(v for k, v in delta.items() if k.startswith("vllm:generation_tokens_total")) >= 6 * 8
-    assert "## Profiles" in (out / "report.md").read_text()
+    assert len({point["base_url"] for point in document["points"]}) == 2, "each profile's engine on its own port"
+    report = (out / "report.md").read_text()
+    assert "## Profiles" in report and "at each profile's own engine via engine" in report
