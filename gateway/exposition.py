@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 
+from gateway.deadline import deadline
 from gateway.doctor.nvml import ActivityReader
 from gateway.errors import EngineUnavailableError, MetricsForbiddenError
 from gateway.metrics import GatewayMetrics, GpuCollector, WorkersCollector
@@ -101,7 +102,7 @@ class Exposition:
         """The engine's own /metrics as it answered, or EngineUnavailableError (503: the engine job is down)."""
         within = self._engine_timeout
         with engine_errors(f"The model engine did not answer /metrics within {within:g} s.", self._retry_after):
-            async with asyncio.timeout(within), aiohttp.ClientSession() as session:
+            async with deadline(within), aiohttp.ClientSession() as session:
                 async with session.get(self._engine_url) as response:
                     body = await response.read()
                     if response.status != 200:

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+from gateway.deadline import deadline
 from gateway.errors import RequestTimeoutError
 from gateway.metrics import GatewayMetrics
 from gateway.request_record import RequestRecord
@@ -72,7 +73,7 @@ def _bounded_body(receive: Receive, http: HttpSettings) -> Receive:
     gets an envelope and the access log says 408.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + http.body_timeout
+    body_due = loop.time() + http.body_timeout
     done = False
 
     async def receive_body() -> Message:
@@ -80,7 +81,7 @@ def _bounded_body(receive: Receive, http: HttpSettings) -> Receive:
         if done:
             return await receive()
         try:
-            async with asyncio.timeout(min(http.body_chunk_timeout, deadline - loop.time())):
+            async with deadline(min(http.body_chunk_timeout, body_due - loop.time())):
                 message = await receive()
         except TimeoutError:
             done = True

@@ -49,6 +49,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from gateway.background import BackgroundTask, Backoff
+from gateway.deadline import deadline
 from gateway.errors import KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.settings import RedisSettings, Settings, parse_redis_url
@@ -520,19 +521,30 @@ def pack_command(*args: object) -> bytes:
     UTF-8, int and float by `repr`; a bool or anything else is a DataError), for the few small arguments of a
     script call: in one piece, without its per-argument chunking (a third of a script call's CPU)."""
     parts = [b"*%d\r\n" % len(args)]
+    append = parts.append
     for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
+        # The exact types first: a script call's 20-30 arguments are plain str and int (a third less CPU than
+        # `isinstance` chains); subclasses take the general way.
+        if type(arg) is str:
             data = arg.encode()
-        elif isinstance(arg, int | float) and not isinstance(arg, bool):
-            data = repr(arg).encode()
+        elif type(arg) is int:
+            data = b"%d" % arg
+        elif type(arg) is bytes:
+            data = arg
         else:
-            raise DataError(
-                f"Invalid input of type: '{type(arg).__name__}'. Convert to bytes, str, int or float first."
-            )
-        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+            data = _encode_argument(arg)
+        append(b"$%d\r\n%b\r\n" % (len(data), data))
     return b"".join(parts)
+
+
+def _encode_argument(arg: object) -> bytes:
+    if isinstance(arg, bytes):
+        return bytes(arg)
+    if isinstance(arg, str):
+        return str.encode(arg)
+    if isinstance(arg, int | float) and not isinstance(arg, bool):
+        return repr(arg).encode()
+    raise DataError(f"Invalid input of type: '{type(arg).__name__}'. Convert to bytes, str, int or float first.")
 
 
 def connect_redis(settings: Settings) -> redis_asyncio.Redis:
@@ -589,7 +601,7 @@ async def ping_redis(settings: Settings) -> str | None:
     """None if Redis (the master, with Sentinel) answers PING within `redis.command_timeout`, else why not."""
     client = connect_redis(settings)
     try:
-        async with asyncio.timeout(settings.redis.command_timeout):
+        async with deadline(settings.redis.command_timeout):
             await client.ping()
     except REDIS_ERRORS as exc:
         return str(exc) or type(exc).__name__
@@ -618,7 +630,7 @@ class RedisCalls:
         otherwise."""
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(self.timeout):
+            async with deadline(self.timeout):
                 try:
                     return await work()
                 except (RedisConnectionError, ReadOnlyError) as exc:
@@ -675,7 +687,7 @@ class PubSubListener:
     async def wait_subscribed(self, within: float) -> bool:
         """Wait up to `within` seconds for the subscription; whether it is in place."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(within):
+            async with deadline(within):
                 await self._subscribed.wait()
         return self.subscribed
 

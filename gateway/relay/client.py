@@ -10,7 +10,6 @@ the gateway imports aiohttp; what relies on aiohttp's internals (the response's 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
@@ -20,6 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.deadline import deadline
 from gateway.errors import (
     EngineConnectionLostError,
     EngineCredentialsError,
@@ -99,7 +99,7 @@ class UpstreamResponse:
         """The whole body, within `within` seconds; the connection is dropped on any failure."""
         try:
             with engine_errors(f"The model engine did not finish within {within:g} s.", self._retry_after):
-                async with asyncio.timeout(within):
+                async with deadline(within):
                     return await self._response.read()
         except BaseException:
             self.close()
@@ -191,7 +191,7 @@ class EngineClient:
         sent.update(self._auth_header)
         within = self._relay.first_byte_timeout
         with engine_errors(f"The model engine did not answer within {within:g} s.", self._retry_after):
-            async with asyncio.timeout(within):
+            async with deadline(within):
                 response = await session.request(method, self._base_url + path, data=body, headers=sent)
         return UpstreamResponse(response, self._retry_after)
 
@@ -203,7 +203,7 @@ class EngineClient:
         """GET a small JSON document (models list); errors mapped by `engine_errors`."""
         session = self._started()
         with engine_errors(f"The model engine did not answer {path} within {within:g} s.", self._retry_after):
-            async with asyncio.timeout(within):
+            async with deadline(within):
                 async with session.get(self._base_url + path, headers=self._auth_header) as response:
                     if response.status in ENGINE_KEY_REFUSED:
                         raise EngineCredentialsError(ENGINE_KEY_MESSAGE, retry_after=self._retry_after)
@@ -222,7 +222,7 @@ class EngineClient:
         """The engine's /metrics (Prometheus text); errors mapped by `engine_errors`, a non-200 as unavailable."""
         session = self._started()
         with engine_errors(f"/metrics did not answer within {within:g} s.", self._retry_after):
-            async with asyncio.timeout(within):
+            async with deadline(within):
                 async with session.get(self._base_url + "/metrics", headers=self._auth_header) as response:
                     if response.status != 200:
                         raise EngineUnavailableError(
@@ -235,7 +235,7 @@ class EngineClient:
         """The status of one GET /health; errors mapped by `engine_errors`."""
         session = self._started()
         with engine_errors(f"/health did not answer within {within:g} s.", self._retry_after):
-            async with asyncio.timeout(within):
+            async with deadline(within):
                 async with session.get(self._base_url + "/health", headers=self._auth_header) as response:
                     await response.read()
                     return response.status
@@ -253,7 +253,7 @@ class EngineClient:
             **self._auth_header,
         }
         with engine_errors(f"the generation probe did not finish within {within:g} s.", self._retry_after):
-            async with asyncio.timeout(within):
+            async with deadline(within):
                 async with session.post(self._base_url + "/v1/completions", data=body, headers=headers) as response:
                     await response.read()
                     return response.status

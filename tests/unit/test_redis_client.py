@@ -137,11 +137,20 @@ async def test_no_master_known_is_a_503() -> None:
         await close_redis(client)
 
 
+class _KeyName(str):
+    """A str subclass (as a str-based enum is): packed by its text, as redis-py does."""
+
+
+class _Count(int):
+    """An int subclass: packed by its `repr`, as redis-py does."""
+
+
 @pytest.mark.parametrize(
     "args",
     [
         ("EVALSHA", "0" * 40, 2, "nemotron:rl:{alice}:r", b"raw\r\nbytes", 0, -17, 2**53, 1.5, "", "é"),
         ("EVALSHA", "f" * 40, 0),
+        ("EVALSHA", "f" * 40, 1, _KeyName("nemotron:rl:{bob}:r"), _Count(7), -0.0, 1e300),
     ],
 )
 def test_a_packed_script_call_is_the_bytes_redis_py_sends(args: tuple[object, ...]) -> None:
