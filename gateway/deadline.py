@@ -19,61 +19,59 @@ import weakref
 from types import TracebackType
 from typing import Final
 
-# Each loop's shared timer; weakly, so a closed loop (one per test) is not kept alive by its entry.
+# Each loop's shared timer, weakly keyed: a closed loop (one per test) is not kept alive by its entry. No timer holds
+# its loop (the loop is passed to each call), or the entry would keep its own key alive.
 _timers: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _SharedTimer]] = weakref.WeakKeyDictionary()
 
 
 class _SharedTimer:
-    """One loop's open deadlines and the one timer handle set for the earliest of them."""
+    """One loop's open deadlines and the one timer set for the earliest of them."""
 
-    __slots__ = ("_due", "_handle", "_loop", "_open")
+    __slots__ = ("_due", "_open")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self._open: dict[Deadline, None] = {}  # insertion-ordered set
-        self._handle: asyncio.TimerHandle | None = None
-        self._due = float("inf")
+        self._due = float("inf")  # when the live timer fires; an earlier one set later makes it stale
 
-    def add(self, deadline: Deadline) -> None:
+    def add(self, deadline: Deadline, loop: asyncio.AbstractEventLoop) -> None:
         self._open[deadline] = None
         if deadline.when < self._due:
-            self._arm(deadline.when)
+            self._arm(deadline.when, loop)
 
     def discard(self, deadline: Deadline) -> None:
         # The timer stays set: when it fires for a block already left it finds nothing due and is set again.
         self._open.pop(deadline, None)
 
-    def _arm(self, when: float) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
+    def _arm(self, when: float, loop: asyncio.AbstractEventLoop) -> None:
+        # The timer it replaces is not cancelled (that would mean holding its handle, which holds the loop): it
+        # fires at its time, sees that it is stale and does nothing. Rare: most deadlines end after the timer.
         self._due = when
-        self._handle = self._loop.call_at(when, self._fire)
+        loop.call_at(when, self._fire, when, loop)
 
-    def _fire(self) -> None:
-        self._handle, self._due = None, float("inf")
-        now = self._loop.time()
-        earliest = float("inf")
+    def _fire(self, when: float, loop: asyncio.AbstractEventLoop) -> None:
+        if when != self._due:
+            return  # stale: an earlier deadline set a timer of its own since
+        self._due = float("inf")
+        now = loop.time()
         for deadline in [d for d in self._open if d.when <= now]:
             del self._open[deadline]
             deadline.expire()
-        for deadline in self._open:
-            if deadline.when < earliest:
-                earliest = deadline.when
-        if earliest != float("inf"):
-            self._arm(earliest)
+        if self._open:
+            self._arm(min(d.when for d in self._open), loop)
 
 
 class Deadline:
     """`async with deadline(seconds):` the block is cancelled at the deadline and raises TimeoutError."""
 
-    __slots__ = ("_cancelling", "_expired", "_task", "_timer", "when")
+    __slots__ = ("_cancelling", "_expired", "_loop", "_task", "_timer", "when")
 
     def __init__(self, delay: float) -> None:
         loop = asyncio.get_running_loop()
         timer = _timers.get(loop)
         if timer is None:
-            timer = _timers[loop] = _SharedTimer(loop)
+            timer = _timers[loop] = _SharedTimer()
         self._timer = timer
+        self._loop = loop
         self.when = loop.time() + delay
         self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
@@ -85,7 +83,7 @@ class Deadline:
             raise RuntimeError("deadline() must be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._timer.add(self)
+        self._timer.add(self, self._loop)
         return self
 
     async def __aexit__(

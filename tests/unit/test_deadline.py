@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import uvloop
@@ -147,3 +149,21 @@ async def test_outside_a_task_it_says_so() -> None:
 
     loop.call_soon(in_a_callback)
     assert "inside a task" in await said
+
+
+def test_a_closed_loop_is_not_kept_alive_by_its_shared_timer() -> None:
+    loop = asyncio.new_event_loop()
+
+    async def work() -> None:
+        async with deadline(10):
+            await asyncio.sleep(0)
+        with pytest.raises(TimeoutError):
+            async with deadline(0.01):  # earlier than the first: a second timer, the first left stale
+                await asyncio.sleep(1)
+
+    loop.run_until_complete(work())
+    loop.close()
+    closed = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert closed() is None
