@@ -1,7 +1,7 @@
 """Deadlines for the request path: `asyncio.timeout`'s behaviour at a fraction of its cost.
 
 A request meets four or five deadlines (its body, the Redis admission, the engine's first byte and its body).
-`asyncio.timeout` puts a timer on the loop's heap for each and takes it off again: ~8 µs a use on the overhead
+`asyncio.timeout` puts a timer on the loop for each and takes it off again: ~8 µs a use on the overhead
 benchmark's machine, ~4 % of a request's CPU. Here every deadline of one loop shares one timer, set for the
 earliest: entering a block that ends later than the timer (the usual case: the request path's deadlines are
 seconds to minutes long, and each is entered after the ones still open) stores two numbers and moves no timer.
