@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import Final
 
@@ -60,16 +61,26 @@ class _SharedTimer:
             self._arm(min(d.when for d in self._open), loop)
 
 
+# The last loop a deadline was made on, weakly, and its timer: a process serves from one loop, and a weakref call
+# costs less than the mapping's lookup (which makes a weakref of its key on every call).
+_last: tuple[Callable[[], asyncio.AbstractEventLoop | None], _SharedTimer] = (lambda: None, _SharedTimer())
+
+
 class Deadline:
     """`async with deadline(seconds):` the block is cancelled at the deadline and raises TimeoutError."""
 
     __slots__ = ("_cancelling", "_expired", "_loop", "_task", "_timer", "when")
 
     def __init__(self, delay: float) -> None:
+        global _last
         loop = asyncio.get_running_loop()
-        timer = _timers.get(loop)
-        if timer is None:
-            timer = _timers[loop] = _SharedTimer()
+        last_loop, timer = _last
+        if last_loop() is not loop:  # another loop than the last deadline's (tests, threads): look it up
+            found = _timers.get(loop)
+            if found is None:
+                found = _timers[loop] = _SharedTimer()
+            timer = found
+            _last = weakref.ref(loop), timer
         self._timer = timer
         self._loop = loop
         self.when = loop.time() + delay

@@ -6,8 +6,7 @@ Why the engine's metrics are relayed at /metrics/engine rather than merged into 
 fail the gateway's own scrape; relayed, each is its own Prometheus job and an engine that is down shows as that
 job's `up == 0` while the gateway's figures keep coming. The engine's port stays on 127.0.0.1.
 
-Imports settings, errors, metrics, multiproc, doctor.nvml (the one NVML wrapper) and the relay's engine error
-mapping.
+Imports settings, errors, metrics, multiproc, doctor.nvml (the one NVML wrapper) and the relay's engine client.
 """
 
 from __future__ import annotations
@@ -17,17 +16,15 @@ import hmac
 import ipaddress
 import logging
 
-import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 
-from gateway.deadline import deadline
 from gateway.doctor.nvml import ActivityReader
-from gateway.errors import EngineUnavailableError, MetricsForbiddenError
+from gateway.errors import MetricsForbiddenError
 from gateway.metrics import GatewayMetrics, GpuCollector, WorkersCollector
 from gateway.multiproc import living_workers
-from gateway.relay.client import engine_errors
+from gateway.relay.client import EngineClient
 from gateway.settings import MetricsSettings, Settings, metrics_dir
 
 logger = logging.getLogger(__name__)
@@ -73,10 +70,9 @@ class ScrapeAccess:
 class Exposition:
     """Renders the gateway's metrics and relays the engine's; `stop` releases NVML."""
 
-    def __init__(self, settings: Settings, metrics: GatewayMetrics) -> None:
-        self._engine_url = f"{settings.engine_url}/metrics"
+    def __init__(self, settings: Settings, metrics: GatewayMetrics, engine: EngineClient) -> None:
+        self._engine = engine
         self._engine_timeout = settings.metrics.engine_timeout
-        self._retry_after = settings.relay.retry_after
         self.engine_enabled = settings.metrics.engine
         self.access = ScrapeAccess(settings.metrics)
         # The engine's GPUs when the operator names them: the `gpu` label takes those values only.
@@ -100,17 +96,8 @@ class Exposition:
 
     async def engine(self) -> tuple[bytes, str]:
         """The engine's own /metrics as it answered, or EngineUnavailableError (503: the engine job is down)."""
-        within = self._engine_timeout
-        with engine_errors(f"The model engine did not answer /metrics within {within:g} s.", self._retry_after):
-            async with deadline(within), aiohttp.ClientSession() as session:
-                async with session.get(self._engine_url) as response:
-                    body = await response.read()
-                    if response.status != 200:
-                        raise EngineUnavailableError(
-                            f"The model engine answered /metrics with HTTP {response.status}.",
-                            retry_after=self._retry_after,
-                        )
-                    return body, response.headers.get("Content-Type", CONTENT_TYPE_LATEST)
+        body, content_type = await self._engine.metrics(self._engine_timeout)
+        return body, content_type or CONTENT_TYPE_LATEST
 
     def stop(self) -> None:
         """Release NVML."""

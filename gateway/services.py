@@ -75,7 +75,7 @@ class Services:
             limiter=RedisRateLimiter(redis, settings, metrics),
             admission=admission,
             guard=FailedAuthGuard(redis, settings, metrics),
-            exposition=Exposition(settings, metrics),
+            exposition=Exposition(settings, metrics, engine),
         )
 
     async def start(self) -> None:

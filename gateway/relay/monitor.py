@@ -134,7 +134,8 @@ class EngineMonitor:
             await self._load_observer(self._scrape)
 
     async def _scrape(self) -> str:
-        return await self._client.metrics_text(self._relay.probe_timeout)
+        text, _ = await self._client.metrics(self._relay.probe_timeout)
+        return text.decode("utf-8", "replace")
 
     async def _learn_policy(self) -> None:
         # Read (in a thread) only when the supervisor has rewritten the file (it replaces it: a new inode): every

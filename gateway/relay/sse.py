@@ -168,6 +168,8 @@ class SSERelay:
         self._alarm: _SilenceAlarm | None = None
         self._frozen = False
         self._writer: BodyWriter | None = None
+        # What a chunk relayed straight must not hold: a usage line (the pump reads it) or the end of the stream.
+        self._held_marks = (*_USAGE_MARKERS, _DONE_MARK, *(m for m in shape.end_markers if _DONE_MARK not in m))
         # The pump waits on the engine with nothing buffered and no partial line: a chunk may go straight out.
         self._parked = False
 
@@ -217,21 +219,21 @@ class SSERelay:
         """
         writer, alarm = self._writer, self._alarm
         if (
-            not self._parked
-            or writer is None
-            or alarm is None
-            or self._record.first_chunk_at is None
-            or not chunk.endswith(b"\n")
-            or _USAGE_MARKERS[0] in chunk
-            or _USAGE_MARKERS[1] in chunk
-            or _DONE_MARK in chunk
-            or self._shape.ends(chunk)
-            or not writer.write(chunk)
+            self._parked
+            and writer is not None
+            and alarm is not None
+            and self._record.first_chunk_at is not None
+            and chunk.endswith(b"\n")
         ):
-            self._parked = False
-            return False
-        alarm.data()
-        return True
+            for mark in self._held_marks:
+                if mark in chunk:
+                    break
+            else:
+                if writer.write(chunk):
+                    alarm.data()
+                    return True
+        self._parked = False
+        return False
 
     def abort_frozen(self) -> None:
         """The engine monitor found the engine stuck: end this stream with an error event."""

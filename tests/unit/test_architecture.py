@@ -176,7 +176,7 @@ def test_the_scan_sees_the_package() -> None:
     assert ("gateway/server.py", "gateway.app") in edges
     assert ("gateway/server.py", "gateway.uvicorn_internals") in edges
     assert ("gateway/uvicorn_internals.py", "gateway.client_limits") in edges
-    assert ("gateway/relay/client.py", "gateway.relay.aiohttp_internals") in edges
+    assert ("gateway/relay/client.py", "gateway.relay.http1") in edges
 
 
 def test_leaves_import_no_other_gateway_module() -> None:
@@ -247,7 +247,7 @@ def test_the_floors_name_real_files_and_known_edges_run_down() -> None:
             assert (ROOT / place).exists(), place
     assert _floor("gateway/engine/launch.py") == 1 and _floor("gateway/supervisor/supervisor.py") == 2
     assert _floor("gateway/supervisor/__main__.py") == 3 and _floor("gateway/routes/openai.py") is None
-    assert _floor("gateway/types.py") == 0 and _floor("gateway/relay/aiohttp_internals.py") == 2
+    assert _floor("gateway/types.py") == 0 and _floor("gateway/relay/http1.py") == 2
     assert _floor("gateway/relay/disconnect.py") == 2 and _floor("gateway/relay/engine_state.py") == 2
     edges = {(i.file, i.module) for i in _all_imports()}
     assert ("gateway/supervisor/supervisor.py", "gateway.engine.launch") in edges
@@ -345,21 +345,17 @@ def test_only_the_uvicorn_internals_module_imports_uvicorns_protocols_or_server(
     assert not violations, _report(violations)
 
 
-def test_only_the_aiohttp_internals_module_names_aiohttps_stream_reader() -> None:
-    """aiohttp's StreamReader is used beyond its documented API (a subclass put on a live reader) in one module.
-    asyncio's own (`asyncio.StreamReader`, public API) is another class and may be used anywhere."""
-    violations = [
-        f"{_rel(path)}:{node.lineno}: names StreamReader"
+def test_only_the_engine_client_speaks_http_to_the_engine() -> None:
+    """One HTTP client on the relay path (relay/http1.py, httptools' response parser): no gateway module imports
+    aiohttp, and none but http1.py parses HTTP answers."""
+    violations = [str(i) for i in _all_imports() if _is_within(i.module, ("aiohttp",))]
+    violations += [
+        f"{_rel(path)}:{node.lineno}: names HttpResponseParser"
         for path in _source_files()
-        if _rel(path) != "gateway/relay/aiohttp_internals.py"
+        if _rel(path) != "gateway/relay/http1.py"
         for node in ast.walk(ast.parse(path.read_text()))
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr == "StreamReader"
-            and not (isinstance(node.value, ast.Name) and node.value.id == "asyncio")
-        )
-        or (isinstance(node, ast.Name) and node.id == "StreamReader")
-        or (isinstance(node, ast.alias) and node.name.endswith("StreamReader"))
+        if (isinstance(node, ast.Attribute) and node.attr == "HttpResponseParser")
+        or (isinstance(node, ast.alias) and node.name == "HttpResponseParser")
     ]
     assert not violations, _report(violations)
 

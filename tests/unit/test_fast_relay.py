@@ -1,7 +1,8 @@
 """The relay's fast path (a chunk costs no task wake-up and no trip through the middleware): plain content chunks
 go from the engine connection's data callback straight to the client's connection through the server's
 BodyWriter; everything the relay must look at still goes through ASGI's send, and the client receives every byte
-in the engine's order either way. Real aiohttp StreamReader, no sockets."""
+in the engine's order either way. The engine client's real connection and response, parsing chunked HTTP/1.1
+from a transport with no socket."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, cast
 
-import aiohttp
 import orjson
 import pytest
 
 from gateway.metrics import GatewayMetrics
+from gateway.relay import http1
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.sse import BODY_WRITER, SSERelay
 from gateway.request_record import RequestRecord
@@ -37,26 +38,26 @@ def delta(text: str) -> bytes:
 USAGE_EVENT = event({"id": "c1", "choices": [], "usage": USAGE})
 
 
-class _Protocol:
-    """What StreamReader asks of its connection's protocol: whether it is connected, and flow control."""
+class _Transport:
+    """The engine connection's transport, without a socket: what the request writes goes nowhere."""
 
-    connected = True
+    def write(self, data: bytes) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
 
     def pause_reading(self) -> None:
         pass
 
-    def resume_reading(self, resume_parser: bool = True) -> None:
+    def resume_reading(self) -> None:
         pass
-
-
-class _Response:
-    def __init__(self, content: aiohttp.StreamReader) -> None:
-        self.status = 200
-        self.content = content
-        self.headers: dict[str, str] = {}
 
     def close(self) -> None:
         pass
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
 
 
 class Client:
@@ -96,30 +97,36 @@ async def _until(condition: Callable[[], bool]) -> None:
     raise AssertionError("condition never met")
 
 
-async def _relay() -> tuple[SSERelay, aiohttp.StreamReader, RequestRecord]:
-    reader = aiohttp.StreamReader(cast(Any, _Protocol()), 2**16, loop=asyncio.get_running_loop())
+async def _relay() -> tuple[SSERelay, http1._Connection, http1.Response, RequestRecord]:
+    pool = http1.Pool("http://127.0.0.1:9", limit=1, keepalive_timeout=1.0, connect_timeout=1.0)
+    connection = http1._Connection(pool)
+    connection.connection_made(cast(Any, _Transport()))
+    response = http1.Response(connection)
+    head = connection.send(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n", response)
+    connection.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    await head
     record = RequestRecord(request_id="req-1", started_at=0.0)
     settings = RelaySettings(heartbeat_interval=5.0, chunk_timeout=5.0)
-    upstream = UpstreamResponse(cast(aiohttp.ClientResponse, _Response(reader)))
-    relay = SSERelay(upstream, record, settings, GatewayMetrics(), strip_usage=True)
-    return relay, reader, record
+    relay = SSERelay(UpstreamResponse(response), record, settings, GatewayMetrics(), strip_usage=True)
+    return relay, connection, response, record
 
 
-async def _feed(reader: aiohttp.StreamReader, chunks: list[bytes]) -> None:
+async def _feed(connection: http1._Connection, response: http1.Response, chunks: list[bytes]) -> None:
+    """Each chunk as one chunk of the engine's chunked body, once the relay waits on the engine for more."""
     for chunk in chunks:
-        await _until(lambda: reader._waiter is not None)  # the relay waits on the engine for more
-        reader.feed_data(chunk)
-    await _until(lambda: reader._waiter is not None)
-    reader.feed_eof()
+        await _until(lambda: response._waiter is not None)
+        connection.data_received(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+    await _until(lambda: response._waiter is not None)
+    connection.data_received(b"0\r\n\r\n")
 
 
 async def _run(client: Client, chunks: list[bytes], *, with_writer: bool = True) -> RequestRecord:
-    relay, reader, record = await _relay()
+    relay, connection, response, record = await _relay()
     scope: dict[str, Any] = {"type": "http", "method": "POST", "path": "/v1/chat/completions"}
     if with_writer:
         scope[BODY_WRITER] = client
     task = asyncio.ensure_future(relay(scope, client.receive, client.send))
-    await _feed(reader, chunks)
+    await _feed(connection, response, chunks)
     await task
     return record
 

@@ -1,9 +1,8 @@
-"""The uvicorn and aiohttp internals the gateway relies on are all there in the installed libraries.
+"""The uvicorn internals the gateway relies on are all there in the installed library.
 
-The names come from each module's own declaration (`INTERNALS` in gateway/uvicorn_internals.py and
-gateway/relay/aiohttp_internals.py), so an upgrade that removes or renames one fails here, naming it, instead of
-failing requests. A subclass's overrides are checked against the declaration both ways: one it does not declare
-would shadow a library method by accident.
+The names come from the module's own declaration (`INTERNALS` in gateway/uvicorn_internals.py), so an upgrade that
+removes or renames one fails here, naming it, instead of failing requests. A subclass's overrides are checked against
+the declaration both ways: one it does not declare would shadow a library method by accident.
 """
 
 from __future__ import annotations
@@ -13,19 +12,15 @@ import functools
 import inspect
 import textwrap
 
-import aiohttp
 import pytest
 import uvicorn
 
 from gateway import uvicorn_internals
-from gateway.relay import aiohttp_internals
 from gateway.types import LibraryInternals
 
 pytestmark = pytest.mark.timeout(30)
 
-ALL_INTERNALS = [
-    (module, internals) for module in (uvicorn_internals, aiohttp_internals) for internals in module.INTERNALS
-]
+ALL_INTERNALS = [(uvicorn_internals, internals) for internals in uvicorn_internals.INTERNALS]
 DECLARED = [
     pytest.param(internals, id=f"{module.__name__.rsplit('.', 1)[-1]}:{internals.library_class.__name__}")
     for module, internals in ALL_INTERNALS
@@ -36,7 +31,7 @@ SUBCLASSED = [
     if internals.subclass is not None
 ]
 # The versions the modules' docstrings name as tested; a different one installed is a reminder to re-read them.
-TESTED = {"uvicorn": (uvicorn, "0.54."), "aiohttp": (aiohttp, "3.14.")}
+TESTED = {"uvicorn": (uvicorn, "0.54.")}
 
 
 @functools.cache
@@ -105,32 +100,27 @@ def test_a_subclass_overrides_exactly_what_is_declared(internals: LibraryInterna
     )
 
 
-def test_the_stream_readers_add_no_slots_so_a_live_reader_can_take_their_class() -> None:
-    for subclass in (aiohttp_internals.EngineStreamReader, aiohttp_internals.TappedStreamReader):
-        assert vars(subclass)["__slots__"] == ()
-    assert not hasattr(aiohttp.StreamReader, "__dict__") or "__dict__" not in aiohttp.StreamReader.__slots__
+_CYCLE = uvicorn.protocols.http.httptools_impl.RequestResponseCycle
 
 
 def test_the_declared_shadowing_check_sees_an_undeclared_override() -> None:
-    class Sneaky(aiohttp.StreamReader):
-        __slots__ = ()
+    class Sneaky(_CYCLE):  # type: ignore[misc]  # uvicorn's class is untyped
+        async def receive(self) -> None:  # uvicorn's own method, not declared below
+            return None
 
-        def at_eof(self) -> bool:  # aiohttp's own method, not declared below
-            return True
-
-    sneaky = LibraryInternals(aiohttp.StreamReader, subclass=Sneaky, overridden=())
-    with pytest.raises(AssertionError, match="at_eof"):
+    sneaky = LibraryInternals(_CYCLE, subclass=Sneaky, overridden=())
+    with pytest.raises(AssertionError, match="receive"):
         test_a_subclass_overrides_exactly_what_is_declared(sneaky)
 
 
 def test_a_name_gone_from_the_library_is_named_in_the_failure() -> None:
-    gone = LibraryInternals(aiohttp.StreamReader, used=("_buffer", "_renamed_buffer"))
-    with pytest.raises(AssertionError, match="no longer has \\['_renamed_buffer'\\]"):
+    gone = LibraryInternals(_CYCLE, used=("keep_alive", "_renamed_keep_alive"))
+    with pytest.raises(AssertionError, match="no longer has \\['_renamed_keep_alive'\\]"):
         test_every_name_relied_upon_exists_in_the_installed_library(gone)
 
 
 def test_the_member_scan_finds_attributes_set_in_methods_and_misses_absent_ones() -> None:
-    found = members(uvicorn.protocols.http.httptools_impl.RequestResponseCycle)
+    found = members(_CYCLE)
     assert {"chunked_encoding", "response_started", "keep_alive"} <= found
     assert "no_such_attribute" not in found
 
@@ -140,6 +130,5 @@ def test_the_installed_version_is_the_one_the_modules_were_checked_with(library:
     module, prefix = TESTED[library]
     assert module.__version__.startswith(prefix), (
         f"{library} {module.__version__} is installed; the internals were read on {prefix}x: re-read what "
-        f"{'gateway/uvicorn_internals.py' if library == 'uvicorn' else 'gateway/relay/aiohttp_internals.py'} "
-        "relies on, then update its docstring, this table and the bound in pyproject.toml"
+        "gateway/uvicorn_internals.py relies on, then update its docstring, this table and the bound in pyproject.toml"
     )

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
-import aiohttp
 import orjson
 import pytest
 
 from gateway.metrics import GatewayMetrics
+from gateway.relay import http1
 from gateway.relay import sse as sse_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
@@ -43,7 +43,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 class FakeContent:
-    """Stands in for aiohttp's StreamReader: `readany()` hands out queued chunks (b"" is EOF)."""
+    """The engine's body: `readany()` hands out queued chunks (b"" is EOF) or raises a queued error."""
 
     def __init__(self, items: Iterable[bytes | BaseException] = (), on_read: Any = None) -> None:
         self.queue: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
@@ -57,7 +57,7 @@ class FakeContent:
     async def readany(self) -> bytes:
         if self.on_read is not None:
             self.on_read()
-        # Queue.get is cancellation-safe, like StreamReader.readany under the relay's timeouts.
+        # Queue.get is cancellation-safe, like http1.Response.read_chunk under the relay's timeouts.
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -65,13 +65,22 @@ class FakeContent:
 
 
 class FakeResponse:
-    """Stands in for aiohttp's ClientResponse under a real UpstreamResponse (so its error mapping runs)."""
+    """Stands in for the engine client's Response (relay/http1.py) under a real UpstreamResponse (so its error
+    mapping runs)."""
 
     def __init__(self, content: FakeContent, status: int = 200) -> None:
         self.status = status
         self.content = content
-        self.headers: dict[str, str] = {}
         self.close_calls = 0
+
+    def header(self, name: bytes) -> str | None:
+        return None
+
+    async def read_chunk(self) -> bytes:
+        return await self.content.readany()
+
+    def tap(self, relay: Any) -> None:
+        raise AssertionError("no BodyWriter in these scopes: the relay must not tap")
 
     def close(self) -> None:
         self.close_calls += 1
@@ -119,7 +128,7 @@ class Harness:
         self.activity = EngineActivity()
         settings = RelaySettings(**{"heartbeat_interval": 5.0, "chunk_timeout": 5.0, **relay})
         self.relay = SSERelay(
-            UpstreamResponse(cast(aiohttp.ClientResponse, self.upstream)),
+            UpstreamResponse(cast(http1.Response, self.upstream)),
             self.record,
             settings,
             self.metrics,
@@ -236,7 +245,7 @@ async def test_stream_without_done_ends_with_one_error_event() -> None:
 
 
 async def test_payload_error_mid_stream_ends_with_error_event_and_closes_upstream() -> None:
-    h = Harness([delta("a"), aiohttp.ClientPayloadError("connection reset")])
+    h = Harness([delta("a"), http1.ConnectionLostError("connection reset")])
     await h.run()
     bodies = h.client.bodies
     assert [m["body"] for m in bodies[:-1]] == [delta("a")]
@@ -288,7 +297,7 @@ async def test_silent_engine_is_cut_at_chunk_timeout_with_engine_timeout_event()
 
 @pytest.mark.parametrize(
     "error",
-    [aiohttp.ServerDisconnectedError(), aiohttp.ClientOSError(104, "reset"), aiohttp.ClientResponseError(None, ())],  # type: ignore[arg-type]  # no request info in a unit test
+    [http1.ConnectionLostError("closed"), http1.InvalidResponseError("not HTTP/1.1"), TimeoutError()],
 )
 async def test_any_engine_error_mid_stream_is_one_mid_stream_event(error: BaseException) -> None:
     h = Harness([delta("a"), error])
@@ -347,16 +356,17 @@ async def test_client_disconnect_closes_upstream_and_is_recorded() -> None:
     assert [m["body"] for m in h.client.bodies] == [delta("a")]
 
 
-def test_the_stream_relay_reads_through_the_client_and_never_imports_aiohttp() -> None:
-    # aiohttp's errors are mapped once, in relay/client.py; the relay only sees gateway errors.
+def test_the_stream_relay_reads_through_the_client_and_never_imports_its_connections() -> None:
+    # The engine client's errors are mapped once, in relay/client.py; the relay only sees gateway errors.
     source = Path(sse_module.__file__).read_text()
-    imported = {
-        alias.name.split(".")[0]
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
-    }
-    assert "aiohttp" not in imported
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+    assert "gateway.relay.client.UpstreamResponse" in imported
+    assert not [name for name in imported if name.startswith(("gateway.relay.http1", "httptools", "aiohttp"))]
 
 
 async def test_a_stream_the_server_cancels_ends_with_an_error_event() -> None:
