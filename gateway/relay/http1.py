@@ -346,8 +346,8 @@ class Pool:
                     else:
                         self._wake_one()
                 raise
-            if handed is not None:
-                return handed
+            if handed is not None and not handed.lost:
+                return handed  # else it closed on its way here, and its place in the bound is free
         return await self._connect()
 
     async def _connect(self) -> _Connection:
