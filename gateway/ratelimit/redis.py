@@ -33,7 +33,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as day_start
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import redis.asyncio as redis_asyncio
@@ -673,7 +673,13 @@ def _marker_key(name: str, kind: str, lease_id: str) -> str:
 
 
 def _usage_day_key(name: str, day: date) -> str:
-    return f"{_USAGE}{{{name}}}:{day:%Y%m%d}"
+    return f"{_USAGE}{{{name}}}:{_day_text(day)}"
+
+
+@lru_cache(maxsize=8)
+def _day_text(day: date) -> str:
+    # Every release names today's usage key: strftime each time was ~1.5 % of a request's CPU (py-spy).
+    return f"{day:%Y%m%d}"
 
 
 def _usage_last_key(name: str) -> str:
