@@ -381,11 +381,13 @@ def write(out: Path, label: str, points: list[dict[str, Any]], notes: list[str])
 
 
 def plan(concurrency: list[int], rounds: int) -> list[tuple[str, int]]:
-    """(target, concurrency) in the order run: per round every level, direct and gateway in alternating order."""
+    """(target, concurrency) in the order run: per round every level, direct and gateway in alternating order, and
+    each level's pair in the other order in the next round (ABBA: a drift of the engine over the run favours neither
+    target; with one level or three, an order counted over all pairs put the same target first in every round)."""
     order: list[tuple[str, int]] = []
     for round_index in range(rounds):
-        for level in concurrency:
-            pair = ["direct", "gateway"] if (round_index + len(order) // 2) % 2 == 0 else ["gateway", "direct"]
+        for level_index, level in enumerate(concurrency):
+            pair = ["direct", "gateway"] if (round_index + level_index) % 2 == 0 else ["gateway", "direct"]
             order += [(target, level) for target in pair]
     return order
 

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from loadtest.gpu.chart import draw, medians
 from loadtest.gpu.sweep import client_check, clients_for, goals, markdown, plan, point_loads, role_of, shares
 
@@ -131,6 +133,15 @@ def test_the_plan_interleaves_targets_and_alternates_who_goes_first() -> None:
         ("direct", 1), ("gateway", 1), ("gateway", 16), ("direct", 16),
         ("gateway", 1), ("direct", 1), ("direct", 16), ("gateway", 16),
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("levels", [[1], [16, 64, 256], [1, 16, 64, 256]])
+def test_every_level_puts_the_other_target_first_in_the_next_round(levels: list[int]) -> None:
+    order = plan(levels, rounds=4)
+    for level in levels:
+        firsts = [target for index, (target, at) in enumerate(order) if at == level and index % 2 == 0]
+        assert firsts in (["direct", "gateway"] * 2, ["gateway", "direct"] * 2)
+    assert len(order) == 2 * 4 * len(levels)
 
 
 def test_the_chart_takes_medians_per_concurrency_and_writes_a_png(tmp_path: Path) -> None:
