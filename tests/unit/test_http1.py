@@ -161,7 +161,11 @@ async def test_the_pool_holds_at_most_limit_connections_and_the_rest_wait(serve:
 
     engine, pool = await serve(slow, limit=2)
     requests = [asyncio.ensure_future(pool.request("POST", f"/{n}")) for n in range(5)]
-    await asyncio.sleep(0.1)
+    for _ in range(200):  # until the first two arrive (bounded: 2 s)
+        if len(engine.requests) == 2:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # time for a third to arrive, were the bound not kept
     assert engine.connections == 2 and len(engine.requests) == 2
     assert not any(r.done() for r in requests)
     gate.set()
