@@ -5,7 +5,10 @@ an answer can fail."""
 from __future__ import annotations
 
 import asyncio
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -27,8 +30,8 @@ class Engine:
         self.closed = asyncio.Event()
         self._server: asyncio.Server | None = None
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+    async def start(self, tls: ssl.SSLContext | None = None) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=tls)
         port = self._server.sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
 
@@ -337,3 +340,41 @@ async def test_a_header_that_would_split_the_request_is_refused(serve: Callable[
 def test_only_http_urls_make_a_pool() -> None:
     with pytest.raises(ValueError):
         http1.Pool("ftp://127.0.0.1:8000", limit=1, keepalive_timeout=1.0, connect_timeout=1.0)
+
+
+@pytest.fixture
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A key and a self-signed certificate for `localhost`, made by the openssl command."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subject = ["-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"]
+    files = ["-keyout", str(key), "-out", str(cert)]
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", *subject, *files],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert
+
+
+async def test_an_https_engine_is_reached_over_tls_and_an_untrusted_one_is_refused(
+    self_signed: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key, cert = self_signed
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    engine = Engine(ok)
+    port = (await engine.start(tls)).rsplit(":", 1)[1]
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the engine's certificate is the one trusted
+        pool = http1.Pool(f"https://localhost:{port}", limit=1, keepalive_timeout=5.0, connect_timeout=5.0)
+        for _ in range(2):
+            assert await (await pool.request("GET", "/health")).read_all() == b'{"ok":true}'
+        await pool.close()
+        assert engine.connections == 1 and engine.requests[0].startswith(b"GET /health HTTP/1.1\r\n")
+        monkeypatch.delenv("SSL_CERT_FILE")
+        untrusting = http1.Pool(f"https://localhost:{port}", limit=1, keepalive_timeout=5.0, connect_timeout=5.0)
+        with pytest.raises(http1.ConnectFailedError, match="certificate"):
+            await untrusting.request("GET", "/health")
+        await untrusting.close()
+    finally:
+        await engine.stop()
