@@ -99,11 +99,10 @@ class UpstreamResponse:
             self.close()
             raise
 
-    def tap(self, relay: Tap) -> bool:
+    def tap(self, relay: Tap) -> None:
         """Offer every further body chunk to `relay` where it arrives, in the connection's data callback, before
         it is buffered for `read_chunk`; a chunk `relay` returns True for is not buffered."""
         self._response.tap(relay)
-        return True
 
     def close(self) -> None:
         """Drop the connection unless the answer is complete; the engine sees the disconnect and aborts the

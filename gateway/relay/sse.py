@@ -179,7 +179,8 @@ class SSERelay:
         try:
             await send({"type": "http.response.start", "status": self._upstream.status, "headers": self._headers})
             writer = scope.get(BODY_WRITER)
-            if writer is not None and self._upstream.tap(self._relay_now):
+            if writer is not None:
+                self._upstream.tap(self._relay_now)
                 self._writer = writer
             await run_until_disconnect(receive, self._pump(send))
         except ClientDisconnectedError:
