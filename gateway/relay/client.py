@@ -79,7 +79,7 @@ class UpstreamResponse:
         self._response = response
         self._retry_after = retry_after
         self.status = response.status
-        self.content_type = response.header(b"content-type") or "application/json"
+        self.content_type = response.content_type or "application/json"
 
     async def read_chunk(self) -> bytes:
         """The next bytes of the body as they arrive (b"" at its end); errors mapped by `engine_errors`."""
@@ -187,7 +187,7 @@ class EngineClient:
             async with deadline(within):
                 response = await pool.request("GET", path, self._auth_header)
                 try:
-                    return response.status, await response.read_all(), response.header(b"content-type")
+                    return response.status, await response.read_all(), response.content_type
                 finally:
                     response.close()
 

@@ -57,25 +57,18 @@ class Response:
     Chunks that arrived before the connection failed are handed out before the failure is raised.
     """
 
-    __slots__ = ("_chunks", "_connection", "_error", "_size", "_tap", "_waiter", "done", "headers", "status")
+    __slots__ = ("_chunks", "_connection", "_error", "_size", "_tap", "_waiter", "content_type", "done", "status")
 
     def __init__(self, connection: _Connection) -> None:
         self._connection: _Connection | None = connection
         self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []  # as sent: names in their case, values undecoded
+        self.content_type: str | None = None  # the Content-Type header, when the answer has one
         self._chunks: list[bytes] = []
         self._size = 0
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._tap: Tap | None = None
         self.done = False  # the whole body arrived
-
-    def header(self, name: bytes) -> str | None:
-        """The first header called `name` (lowercase), decoded as latin-1; None when absent."""
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value.decode("latin-1")
-        return None
 
     def tap(self, relay: Tap) -> None:
         """Offer every further body chunk to `relay` in the connection's data callback, before buffering it; a chunk
@@ -227,9 +220,11 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         response = self._response
         if response is not None:
-            response.headers.append((name, value))
+            # The relay reads one header of the engine's answer; the others only say how its body ends.
             lowered = name.lower()
-            if lowered == b"content-length" or lowered == b"transfer-encoding":
+            if lowered == b"content-type":
+                response.content_type = value.decode("latin-1")
+            elif lowered == b"content-length" or lowered == b"transfer-encoding":
                 self._length_known = True
 
     def on_headers_complete(self) -> None:
@@ -281,7 +276,7 @@ class Pool:
         self._keepalive_timeout = keepalive_timeout
         self._connect_timeout = connect_timeout
         self._idle: list[_Connection] = []
-        self._open: set[_Connection] = set()  # connected or connecting: counted against `limit`
+        self._open: set[_Connection] = set()  # connected: counted against `limit`, with those connecting
         self._opening = 0
         self._waiters: deque[asyncio.Future[_Connection | None]] = deque()
         self._closed = False

@@ -98,7 +98,7 @@ async def test_an_answer_is_read_and_its_connection_carries_the_next_request(ser
     for n in range(3):
         response = await pool.request("POST", "/v1/x", [("X-Request-Id", f"r{n}")], b'{"a":1}')
         assert response.status == 200
-        assert response.header(b"content-type") == "application/json"
+        assert response.content_type == "application/json"
         assert await response.read_all() == b'{"ok":true}'
     assert engine.connections == 1
     first = engine.requests[0]

@@ -71,10 +71,8 @@ class FakeResponse:
     def __init__(self, content: FakeContent, status: int = 200) -> None:
         self.status = status
         self.content = content
+        self.content_type: str | None = None
         self.close_calls = 0
-
-    def header(self, name: bytes) -> str | None:
-        return None
 
     async def read_chunk(self) -> bytes:
         return await self.content.readany()
