@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -10,6 +12,7 @@ import redis.asyncio as redis_asyncio
 from gateway.auth import ApiKey, KeyLimits
 from gateway.auth.audit import changes, key_fields
 from gateway.ratelimit import RedisRateLimiter
+from gateway.ratelimit.redis import _lease_id
 from gateway.settings import RateLimitSettings, Settings
 
 pytestmark = pytest.mark.timeout(5)
@@ -44,6 +47,35 @@ def test_windows_follow_the_clock_across_midnight_and_back() -> None:
     now[0] = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
     windows = limiter.budget_windows()
     assert (windows.day, windows.month) == ("d20261130", "m202611")
+
+
+def test_the_real_clocks_windows_and_usage_day_are_todays() -> None:
+    limiter = RedisRateLimiter(redis_asyncio.Redis(), Settings(limits=RateLimitSettings(budget_timezone="UTC")))
+    before = datetime.now(UTC)
+    windows, today = limiter.budget_windows(), limiter._utc_today()
+    after = datetime.now(UTC)
+    assert today in {before.date(), after.date()}
+    assert windows.day in {f"d{before:%Y%m%d}", f"d{after:%Y%m%d}"}
+    next_midnight = (datetime(after.year, after.month, after.day, tzinfo=UTC).timestamp() + 86_400) * 1000
+    assert abs(windows.day_left_ms - (next_midnight - time.time() * 1000)) < 1_000
+
+
+def _child_lease_ids(queue: multiprocessing.Queue[list[str]]) -> None:
+    queue.put([_lease_id() for _ in range(100)])
+
+
+def test_lease_ids_are_unique_in_a_process_and_in_a_forked_child() -> None:
+    # The admission's markers are keyed by lease id across every gateway process: workers are forked.
+    mine = [_lease_id() for _ in range(10_000)]
+    assert len(set(mine)) == len(mine)
+    context = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[list[str]] = context.Queue()
+    child = context.Process(target=_child_lease_ids, args=(queue,))
+    child.start()
+    theirs = queue.get(timeout=5)
+    child.join(5)
+    assert not set(theirs) & {*mine, *(_lease_id() for _ in range(100))}
+    assert {lease[:12] for lease in theirs} != {lease[:12] for lease in mine}  # another random prefix
 
 
 def test_an_unknown_budget_timezone_is_a_settings_error() -> None:
