@@ -130,7 +130,9 @@ def point_loads(
             # A full wave at the point's own concurrency: otherwise the first point at a new level pays for the
             # engine's batch and every connection pool growing to it, and in ABBA's first round that point is
             # always the same target's (at c=256, the gateway's read 89-90 % of direct in both calls of 2026-12-03).
-            warmups=streams,
+            # At least `min_warmups`: at c=1 one request did not settle a fresh engine (the first point after its
+            # start read 19.4 and 25.3 ms TTFT p50 in two calls, the points after it 22.8-23.4).
+            warmups=max(streams, args.min_warmups),
         )
         for i, (streams, share) in enumerate(zip(shares(concurrency, clients), shares(prompts, clients), strict=True))
     ]
@@ -380,14 +382,16 @@ def write(out: Path, label: str, points: list[dict[str, Any]], notes: list[str])
     (out / "sweep.md").write_text("\n\n".join(part.rstrip("\n") for part in parts) + "\n")
 
 
-def plan(concurrency: list[int], rounds: int) -> list[tuple[str, int]]:
+def plan(concurrency: list[int], rounds: int, first: str = "direct") -> list[tuple[str, int]]:
     """(target, concurrency) in the order run: per round every level, direct and gateway in alternating order, and
     each level's pair in the other order in the next round (ABBA: a drift of the engine over the run favours neither
-    target; with one level or three, an order counted over all pairs put the same target first in every round)."""
+    target; with one level or three, an order counted over all pairs put the same target first in every round).
+    `first` opens the first round's first pair: calls that each fit one round alternate it between them."""
+    opening = [first, "gateway" if first == "direct" else "direct"]
     order: list[tuple[str, int]] = []
     for round_index in range(rounds):
         for level_index, level in enumerate(concurrency):
-            pair = ["direct", "gateway"] if (round_index + level_index) % 2 == 0 else ["gateway", "direct"]
+            pair = opening if (round_index + level_index) % 2 == 0 else opening[::-1]
             order += [(target, level) for target in pair]
     return order
 
@@ -406,7 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=200)
     parser.add_argument("--prompts-per-stream", type=int, default=4)
     parser.add_argument("--min-requests", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=1000, help="points take seeds from SEED+1 on")
+    parser.add_argument("--first", choices=("direct", "gateway"), default="direct", help="who opens the first pair")
+    parser.add_argument("--min-warmups", type=int, default=16, help="warm-up requests a client sends at least")
     parser.add_argument(
         "--streams-per-client", type=int, default=128, help="streams one `vllm bench serve` process drives at most"
     )
@@ -426,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return clients_for(concurrency, args.streams_per_client)
 
     steps: list[tuple[str, int, int, str, bool]] = [
-        (t, c, clients(c), "chat", False) for t, c in plan(levels, args.rounds)
+        (t, c, clients(c), "chat", False) for t, c in plan(levels, args.rounds, args.first)
     ]
     if args.split:
         top = max(levels)

@@ -119,13 +119,13 @@ def test_a_point_takes_one_client_per_streams_per_client_and_splits_its_load_who
 def test_every_client_of_a_point_warms_up_with_a_full_wave_of_its_own_streams_first() -> None:
     args = argparse.Namespace(
         min_requests=16, prompts_per_stream=4, direct="http://d", gateway="http://g", tokenizer="t", input_len=200,
-        max_tokens=128,
+        max_tokens=128, min_warmups=16,
     )  # fmt: skip
     loads = point_loads(args, "gateway", 256, seed=3, clients=4)
     assert [(load.concurrency, load.warmups, load.prompts) for load in loads] == [(64, 64, 256)] * 4
     assert {load.base_url for load in loads} == {"http://g"} and len({load.seed for load in loads}) == 4
-    (alone,) = point_loads(args, "direct", 1, seed=1)
-    assert (alone.concurrency, alone.warmups, alone.prompts, alone.base_url) == (1, 1, 16, "http://d")
+    (alone,) = point_loads(args, "direct", 1, seed=1)  # at c=1, never fewer warm-ups than the floor
+    assert (alone.concurrency, alone.warmups, alone.prompts, alone.base_url) == (1, 16, 16, "http://d")
 
 
 def test_the_plan_interleaves_targets_and_alternates_who_goes_first() -> None:
@@ -133,6 +133,11 @@ def test_the_plan_interleaves_targets_and_alternates_who_goes_first() -> None:
         ("direct", 1), ("gateway", 1), ("gateway", 16), ("direct", 16),
         ("gateway", 1), ("direct", 1), ("direct", 16), ("gateway", 16),
     ]  # fmt: skip
+
+
+def test_a_call_can_open_with_the_gateway_so_one_round_calls_alternate() -> None:
+    assert plan([1], rounds=2, first="gateway") == [("gateway", 1), ("direct", 1), ("direct", 1), ("gateway", 1)]
+    assert plan([1, 16], rounds=1, first="gateway") == [("gateway", 1), ("direct", 1), ("direct", 16), ("gateway", 16)]
 
 
 @pytest.mark.parametrize("levels", [[1], [16, 64, 256], [1, 16, 64, 256]])
