@@ -168,16 +168,18 @@ class DirectScript(AsyncScript):
         self._ran_on = lane.connection
         return reply
 
-    def post(self, keys: Sequence[Any], args: Iterable[Any]) -> tuple[asyncio.Future[Any], asyncio.Future[None]] | None:
-        """The call queued on the lane without waiting (`ScriptLane.post`): its reply's future, and a future done once
-        it is written. None, and nothing sent, unless the script already ran on the lane's connection: a NOSCRIPT
-        there (a new connection may reach a restarted or promoted Redis) would let the calls queued behind it run
-        first; `__call__` loads the script and sends it again."""
+    def post(
+        self, keys: Sequence[Any], args: Iterable[Any], on_reply: Callable[[Any], None]
+    ) -> asyncio.Future[None] | None:
+        """The call queued on the lane without waiting (`ScriptLane.post`): `on_reply` gets its reply; the future
+        returned is done once it is written. None, and nothing sent, unless the script already ran on the lane's
+        connection: a NOSCRIPT there (a new connection may reach a restarted or promoted Redis) would let the calls
+        queued behind it run first; `__call__` loads the script and sends it again."""
         lane = script_lane(self._client)
         if self._ran_on is None or self._ran_on is not lane.connection:
             return None
         keys = list(keys)
-        return lane.post(pack_command("EVALSHA", self.sha, len(keys), *keys, *args))
+        return lane.post(pack_command("EVALSHA", self.sha, len(keys), *keys, *args), on_reply)
 
     async def _load(self, lane: ScriptLane) -> None:
         """SCRIPT LOAD on the lane, once for all the calls that met NOSCRIPT together (a burst at a fresh or restarted
@@ -220,7 +222,9 @@ class _LaneProtocol(asyncio.Protocol):
         self._lane.lost(self, exc)
 
 
-_Pending = tuple[asyncio.Future[Any], float]
+# A call waiting for its reply: the future its caller awaits, or (a posted call) the function that takes the reply;
+# and when it was sent.
+_Pending = tuple[asyncio.Future[Any] | None, Callable[[Any], None] | None, float]
 
 
 class ScriptLane:
@@ -260,20 +264,24 @@ class ScriptLane:
         transport = self._transport
         if transport is None or loop is not self._loop or transport.is_closing():
             await self._connected(loop)
-        return await self._queue(loop, command)
+        reply: asyncio.Future[Any] = loop.create_future()
+        self._queue(loop, command, reply, None)
+        return await reply
 
     @property
     def connection(self) -> object | None:
         """The current connection, as an identity to compare with a later one (None: not connected)."""
         return self._protocol
 
-    def post(self, command: bytes) -> tuple[asyncio.Future[Any], asyncio.Future[None]] | None:
-        """Queue one packed command without waiting for anything: its reply's future, and a future done once the
-        command is written (with the rest of this turn's commands; or failed, its reply then failing too). None,
-        and nothing queued, when the lane has no usable connection: `call` makes one.
+    def post(self, command: bytes, on_reply: Callable[[Any], None]) -> asyncio.Future[None] | None:
+        """Queue one packed command without waiting for anything: `on_reply` is called with its reply (an error
+        reply, or the connection's loss, as the exception; it must not raise), in the data callback: no future, no
+        callback scheduled, per reply. Returns a future done once the command is written (with the rest of this
+        turn's commands; or failed, its reply then failing too). None, and nothing queued, when the lane has no
+        usable connection: `call` makes one.
 
-        What the caller writes anywhere after the second future is done reaches its peer after the command
-        reached Redis: for a release that must precede the answer, without waiting for Redis's reply."""
+        What the caller writes anywhere after that future is done reaches its peer after the command reached Redis:
+        for a release that must precede the answer, without waiting for Redis's reply."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             return None
@@ -282,15 +290,20 @@ class ScriptLane:
         transport = self._transport
         if transport is None or transport.is_closing():
             return None
-        reply = self._queue(loop, command)
+        self._queue(loop, command, None, on_reply)
         # One a caller: a caller cancelled while waiting cancels its own, not the others'.
         written: asyncio.Future[None] = loop.create_future()
         self._written.append(written)
-        return reply, written
+        return written
 
-    def _queue(self, loop: asyncio.AbstractEventLoop, command: bytes) -> asyncio.Future[Any]:
-        future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((future, loop.time()))
+    def _queue(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        command: bytes,
+        future: asyncio.Future[Any] | None,
+        on_reply: Callable[[Any], None] | None,
+    ) -> None:
+        self._pending.append((future, on_reply, loop.time()))
         if self._stall_timer is None:
             self._watch_oldest(loop)
         # Written at the end of this turn of the loop, with every other call made in it: one write, one wake-up of
@@ -298,7 +311,6 @@ class ScriptLane:
         if not self._unsent:
             loop.call_soon(self._write)
         self._unsent.append(command)
-        return future
 
     def _write(self) -> None:
         # What is unsent is for the current connection: a drop clears it with the calls it fails.
@@ -316,10 +328,10 @@ class ScriptLane:
                     future.set_result(None)
 
     def _stalled(self, now: float) -> bool:
-        return bool(self._pending) and now - self._pending[0][1] >= self._stall_after
+        return bool(self._pending) and now - self._pending[0][2] >= self._stall_after
 
     def _watch_oldest(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._stall_timer = loop.call_at(self._pending[0][1] + self._stall_after, self._check_stall, loop)
+        self._stall_timer = loop.call_at(self._pending[0][2] + self._stall_after, self._check_stall, loop)
 
     def _check_stall(self, loop: asyncio.AbstractEventLoop) -> None:
         # Run by the timer, or early by a call (the timer not run yet): either way that timer is done with.
@@ -387,8 +399,10 @@ class ScriptLane:
                     continue
                 if not self._pending:
                     raise InvalidResponse("Redis sent a reply no call was waiting for")
-                future, _ = self._pending.popleft()
-                if not future.done():
+                future, on_reply, _ = self._pending.popleft()
+                if on_reply is not None:
+                    on_reply(reply)
+                elif future is not None and not future.done():
                     if isinstance(reply, RedisError):
                         future.set_exception(reply)
                     else:
@@ -421,9 +435,12 @@ class ScriptLane:
         self._unsent = []
         self._tell_written()  # nothing more to wait for: the calls' replies fail below
         pending, self._pending = self._pending, deque()
-        for future, sent in pending:
-            if not future.done():
-                future.set_exception(overdue if overdue is not None and sent <= sent_before else error)
+        for future, on_reply, sent in pending:
+            failure = overdue if overdue is not None and sent <= sent_before else error
+            if on_reply is not None:
+                on_reply(failure)
+            elif future is not None and not future.done():
+                future.set_exception(failure)
 
     def _release(self, connection: _InlineWrite) -> None:
         """Give `connection` up: out of the pool's count, its stream closed (a no-op after the transport's abort)."""

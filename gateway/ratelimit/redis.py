@@ -172,7 +172,8 @@ class RedisRateLimiter:
         self._renew = DirectScript(redis, lua.RENEW)
         self._live: dict[str, Lease] = {}
         self._pending: set[asyncio.Task[Any]] = set()
-        self._confirming: set[asyncio.Future[Any]] = set()  # replies of releases written to Redis, still to come
+        self._confirming = 0  # releases written to Redis whose replies are still to come
+        self._all_confirmed: asyncio.Future[None] | None = None  # `stop` waits on it for them
         self._retrying: set[BackgroundTask] = set()  # releases that failed, retried until Redis answers
         # Lease id -> (lease, monotonic time to give up) of admissions that failed: released once Redis answers.
         self._unconfirmed: dict[str, tuple[Lease, float]] = {}
@@ -201,7 +202,8 @@ class RedisRateLimiter:
         """Stop renewing, give releases in flight one deadline, and stop retrying failed ones (bounded)."""
         await self._renewer.stop()
         if self._confirming:  # a release it finds unconfirmed goes into `_pending`
-            await asyncio.wait(set(self._confirming), timeout=self._calls.timeout)
+            self._all_confirmed = asyncio.get_running_loop().create_future()
+            await asyncio.wait({self._all_confirmed}, timeout=self._calls.timeout)
         if self._pending:
             await asyncio.wait(set(self._pending), timeout=self._calls.timeout)
         for retry in list(self._retrying):
@@ -353,11 +355,11 @@ class RedisRateLimiter:
         if lease.degraded:
             return
         keys, args = self._release_call(lease, used_tokens, served=served, detail=detail)
-        posted = self._release.post(keys, args)
-        if posted is not None:
-            reply, written = posted
-            self._confirming.add(reply)
-            reply.add_done_callback(partial(self._confirmed, lease.key_name, keys, args, time.perf_counter()))
+        written = self._release.post(
+            keys, args, partial(self._confirmed, lease.key_name, keys, args, time.perf_counter())
+        )
+        if written is not None:
+            self._confirming += 1
             await written  # a cancel here leaves the release queued, its reply still checked
             return
         try:  # no connection yet: the whole way (it connects)
@@ -368,11 +370,13 @@ class RedisRateLimiter:
             _ = self._spawn(self._finish(lease.key_name, keys, args))
             raise
 
-    def _confirmed(
-        self, name: str, keys: list[str], args: list[int | str], started: float, reply: asyncio.Future[Any]
-    ) -> None:
-        self._confirming.discard(reply)
-        if not reply.cancelled() and reply.exception() is None:
+    def _confirmed(self, name: str, keys: list[str], args: list[int | str], started: float, reply: object) -> None:
+        """A posted release's reply (an exception: an error reply or the connection's loss), in the lane's data
+        callback: a release Redis did not confirm is done again the whole way."""
+        self._confirming -= 1
+        if not self._confirming and self._all_confirmed is not None and not self._all_confirmed.done():
+            self._all_confirmed.set_result(None)
+        if not isinstance(reply, BaseException):
             self._calls.succeeded(started)
             return
         _ = self._spawn(self._finish(name, keys, args))
