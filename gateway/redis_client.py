@@ -19,9 +19,9 @@ each connection it hands out for a pending EOF and reconnects it (redis-py 8 ski
 
 Lua scripts, the gateway's hot path (a key's admission and release on every request), do not take a pooled
 connection each: every client has one `ScriptLane`, a connection of its own that carries every script call
-pipelined, its replies matched to the calls in order (the server answers in order). redis-py's pool makes and
-authenticates that connection (TLS, Unix sockets, Sentinel's master lookup alike); the lane then owns its
-transport.
+pipelined, its replies matched to the calls in order (the server answers in order), packed and read by hiredis.
+redis-py's pool makes and authenticates that connection (TLS, Unix sockets, Sentinel's master lookup alike); the lane
+then owns its transport.
 """
 
 from __future__ import annotations
