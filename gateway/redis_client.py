@@ -291,7 +291,7 @@ class ScriptLane:
         if transport is None or transport.is_closing():
             return None
         self._queue(loop, command, None, on_reply)
-        # One a caller: a caller cancelled while waiting cancels its own, not the others'.
+        # One per caller: a caller cancelled while waiting cancels its own, not the others'.
         written: asyncio.Future[None] = loop.create_future()
         self._written.append(written)
         return written
