@@ -521,7 +521,7 @@ def connect_redis(settings: Settings) -> redis_asyncio.Redis:
             )
         )
     sentinel_password = settings.redis.sentinel_password
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # unannotated before redis-py 8
         address.sentinels,
         # A Sentinel client of redis-py retries 10 times with backoff by default: a dead Sentinel would eat the
         # call's deadline. None here; `discover_master` moves on to the next Sentinel instead.
@@ -672,7 +672,7 @@ class PubSubListener:
             if connection is not None:
                 connection.deregister_connect_callback(self._on_reconnect)
             with contextlib.suppress(*REDIS_ERRORS):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # unannotated before redis-py 8
 
     def _on_reconnect(self, connection: Any) -> None:
         self._gap()
