@@ -195,6 +195,14 @@ class RateLimitSettings(_Group):
         description="While Redis is down, admit requests without limits or token budgets, uncharged (default: fail "
         "closed, 503).",
     )
+    overlap_admission: bool = Field(
+        False,
+        description="Send a request of a key this process admitted last time on to the engine while Redis checks its "
+        "limits, one request of a key at a time: the admission's round trip leaves the latency (about 0.07 ms at "
+        "c=1). A refusal then aborts the request at the engine and the client gets only the 429, so the engine may "
+        "see one refused request per key and gateway process each time the key runs out. Off: the engine sees a "
+        "request only once it is admitted.",
+    )
     usage_retention_days: int = Field(
         400,
         ge=1,

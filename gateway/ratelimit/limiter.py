@@ -113,6 +113,16 @@ class RateLimiter(Protocol):
         consuming anything or calling Redis: a cheap refusal before the request body is read."""
         ...
 
+    def claim_beside(self, key: LimitedKey) -> bool:
+        """Whether `key`'s admission may run while its request is already on its way to the engine (the key's limits
+        need Redis, and the last time this process asked, Redis admitted it); a claim holds until `end_beside`, so one
+        such admission of a key runs at a time."""
+        ...
+
+    def end_beside(self, key: LimitedKey) -> None:
+        """The admission `claim_beside` allowed has ended, however it ended."""
+        ...
+
     async def acquire(self, key: LimitedKey, estimated_tokens: int, api: str = "other") -> Lease:
         """A lease, or RateLimitError naming the exhausted limit (429, Retry-After, x-ratelimit-* headers);
         a spent token budget is QuotaExceededError (429 `insufficient_quota`, Retry-After to the window's end)."""

@@ -73,6 +73,8 @@ _REFUSED_BUDGET = 16
 # Refusals a request's size does not change: `precheck` repeats them without Redis until they lapse.
 _REFUSED_WITHOUT_BODY = _REFUSED_CONCURRENCY | _REFUSED_REQUESTS
 _MAX_REMEMBERED_REFUSALS = 10_000
+# Keys whose last admission by this process passed, for `claim_beside`; past the bound the set starts afresh.
+_MAX_ADMITTED_KEYS = 10_000
 # A failed release is retried this often (jittered) until Redis answers: the slot frees within ~0.5 s of it.
 _RELEASE_RETRY = Backoff(initial=0.05, maximum=0.5)
 # Failed admissions whose lease ids wait for release, and how many one pipelined round trip releases. Beyond the
@@ -186,6 +188,11 @@ class RedisRateLimiter:
         )
         # Key name -> (monotonic time the refusal lapses, refused bits, message): `precheck` answers from here.
         self._refusals: dict[str, tuple[float, int, RateLimitError]] = {}
+        # Keys Redis admitted the last time this process asked (a refusal or a failure removes one), and those with an
+        # admission running beside their request now: `claim_beside`.
+        self._overlap = settings.limits.overlap_admission
+        self._admitted_keys: set[str] = set()
+        self._beside_keys: set[str] = set()
         self._renewer = BackgroundTask.every(
             "ratelimit-lease-renewer",
             settings.limits.lease_renew_interval,
@@ -227,6 +234,22 @@ class RedisRateLimiter:
         retry_ms = max(1, round(left * 1000))
         headers = {name: value for name, value in error.headers.items() if name != "retry-after-ms"}
         raise rate_limit_error(error.message, retry_ms, headers, error.cause or "requests")
+
+    def claim_beside(self, key: LimitedKey) -> bool:
+        """Whether `key`'s admission may run while its request is already on its way to the engine
+        (`limits.overlap_admission`): only for a key whose last admission by this process passed, and for one request
+        of the key at a time (claimed until `end_beside`). A key being refused so costs the engine at most one aborted
+        request per process before its requests wait for Redis again. A key with no limits needs no Redis call and
+        is never admitted beside."""
+        name = key.name
+        if not self._overlap or name not in self._admitted_keys or name in self._beside_keys:
+            return False
+        self._beside_keys.add(name)
+        return True
+
+    def end_beside(self, key: LimitedKey) -> None:
+        """The admission `claim_beside` allowed has ended (admitted, refused, failed or cancelled)."""
+        self._beside_keys.discard(key.name)
 
     def effective_limits(self, key: LimitedKey) -> EffectiveLimits:
         """The key's limits with the server defaults filled in (0: unlimited)."""
@@ -309,6 +332,7 @@ class RedisRateLimiter:
             raise
         except KeyStoreUnavailableError as exc:
             self._release_unconfirmed_later(lease)
+            self._admitted_keys.discard(key.name)
             if self._settings.fail_open:
                 cause = exc.__cause__ or exc
                 logger.warning("Rate-limit store unavailable (%s); admitting without limits", type(cause).__name__)
@@ -318,6 +342,12 @@ class RedisRateLimiter:
         refused, retry_ms, requests_used, tokens_used, day_used, month_used = result
         lease.headers = self._headers(limits, requests_used, tokens_used)
         lease.headers |= _budget_headers(limits, day_used, month_used)
+        if refused:
+            self._admitted_keys.discard(key.name)
+        elif key.name not in self._admitted_keys:
+            if len(self._admitted_keys) >= _MAX_ADMITTED_KEYS:
+                self._admitted_keys.clear()
+            self._admitted_keys.add(key.name)
         if refused & _REFUSED_BUDGET:
             raise self._quota_refusal(key.name, limits, tokens, day_used, month_used, retry_ms, lease.headers)
         if refused:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from prometheus_client import Counter
@@ -48,6 +48,8 @@ from gateway.settings import RelaySettings
 from gateway.types import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # vLLM answers 503 for a request its own queue bounds refuse (vllm/exceptions.py, QueueOverflowError, 0.32).
 ENGINE_BUSY = 503
@@ -96,7 +98,13 @@ class BufferedAnswer:
 
 
 class HeldLease(Protocol):
-    """The request's rate-limit lease as the exchange sees it (`ratelimit.RequestLease`): released when it ends."""
+    """The request's rate-limit lease as the exchange sees it (`ratelimit.RequestLease`): its headers go on the answer,
+    and it is released when the exchange ends."""
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The key's rate-limit headers (none until admitted)."""
+        ...
 
     async def release(
         self, used_tokens: int | None, record: RequestRecord | None = None, *, served: bool = True
@@ -166,6 +174,41 @@ class _Waiter:
         self._task.cancel()
 
 
+async def _beside(admitting: asyncio.Task[None], exchange: Coroutine[Any, Any, T]) -> T:
+    """Run `exchange` while the key's admission runs in `admitting`: a refusal that comes first cancels the exchange
+    (its engine connection is closed, so the engine aborts the request) and is raised in its place."""
+    task = asyncio.current_task()
+    assert task is not None
+    refused = False
+
+    def on_admission(done: asyncio.Task[None]) -> None:
+        nonlocal refused
+        if not done.cancelled() and done.exception() is not None:
+            refused = True
+            task.cancel()
+
+    admitting.add_done_callback(on_admission)
+    try:
+        return await exchange
+    except asyncio.CancelledError:
+        # Ours (the refusal) unless the task was cancelled for another reason too (a client gone, a stuck engine).
+        refusal = admitting.exception() if refused else None
+        if refusal is not None and task.uncancel() == 0:
+            raise refusal from None
+        raise
+    finally:
+        admitting.remove_done_callback(on_admission)
+
+
+async def _admitted(admitting: asyncio.Task[None], upstream: UpstreamResponse) -> None:
+    """Wait for the admission of an exchange that ended first; a refusal closes the engine's answer."""
+    try:
+        await admitting
+    except BaseException:
+        upstream.close()
+        raise
+
+
 class EngineRelay:
     """Runs the exchange of one completion request with the engine (see the module docstring)."""
 
@@ -194,8 +237,8 @@ class EngineRelay:
         *,
         stream: bool,
         strip_usage: bool,
-        headers: Mapping[str, str],
         lease: HeldLease | None = None,
+        admitting: asyncio.Task[None] | None = None,
         after: AfterSettle | None = None,
         shape: WireShape = CHAT,
         method: str = "POST",
@@ -207,15 +250,24 @@ class EngineRelay:
         `watch`, the request's connection where the server offers one, tells of a client gone without a second
         task (see `relay/disconnect.py`); else `receive` is read for it.
 
+        `admitting`, the key's admission where it runs beside the exchange (`RequestLease.acquire_beside`), is waited
+        for before anything reaches the client: its refusal ends the exchange (the engine aborts the request) and is
+        raised in its place.
+
         The exchange is settled exactly once (`Settlement`: `lease` released, then `after` run): when the answer is
-        read, when the stream ends, or on the error. `headers` (the key's rate-limit headers) go on the answer.
+        read, when the stream ends, or on the error. The lease's headers (the key's rate-limit headers) go on the
+        answer.
         """
         settlement = Settlement(record, lease, after, self._errors)
         try:
             exchange = self._open_and_read(
                 path, body, record, read_body=not stream, method=method, headers=engine_headers
             )
+            if admitting is not None:
+                exchange = _beside(admitting, exchange)
             upstream, answer = await run_until_disconnect(receive, exchange, watch)
+            if admitting is not None:
+                await _admitted(admitting, upstream)
         except ClientDisconnectedError:
             record.client_disconnected = True
             self._metrics.client_disconnects.labels("non_stream").inc()
@@ -224,6 +276,7 @@ class EngineRelay:
         except BaseException:
             await settlement.settle()
             raise
+        headers = lease.headers if lease is not None else {}
         if upstream.status != 200:
             record.engine_error = EngineErrorKind.ERROR_STATUS
             await settlement.settle()

@@ -78,8 +78,14 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
     if key is not None:
         services.keys.check_model(key, prepared.model)
     after = await api.after_admit(request, key, prepared, record) if api.after_admit is not None else None
+    admitting = None
     if lease is not None:
-        await lease.acquire(prepared.tokens_estimate)
+        # A key admitted last time goes on to the engine while Redis decides (the answer waits for it), unless the
+        # engine's queue must admit it first or the route has a step of its own to run once admitted.
+        if after is None and not services.admission.enabled:
+            admitting = lease.acquire_beside(prepared.tokens_estimate)
+        if admitting is None:
+            await lease.acquire(prepared.tokens_estimate)
     engine_body = await _admit(services, key, prepared, lease)
     return await services.relay.forward(
         api.path,
@@ -88,8 +94,8 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         request.receive,
         stream=prepared.stream,
         strip_usage=not prepared.client_wants_usage,
-        headers=lease.headers if lease is not None else {},
         lease=lease,
+        admitting=admitting,
         after=after,
         shape=api.shape,
         engine_headers={name: value for name in api.passed_headers if (value := request.headers.get(name))},

@@ -101,7 +101,6 @@ async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
         request.receive,
         stream=stream,
         strip_usage=False,
-        headers={},
         shape=RESPONSES,
         method="POST" if cancel else "GET",
         watch=disconnect_watch(request.scope),

@@ -60,13 +60,15 @@ GUARDED_ENV = {
     "NEMOTRON_AUTH__FAILED_AUTH_WINDOW": "10",
     "NEMOTRON_AUTH__FAILED_AUTH_BLOCK": str(GUARD_BLOCK),
 }
+OVERLAP_ENV = {**BASE_ENV, "NEMOTRON_LIMITS__OVERLAP_ADMISSION": "true"}
 CLI_ENV = {**os.environ, "NEMOTRON_AUTH__SECRET": PEPPER}
 
 
 @pytest.fixture(scope="module")
 def gateways(fake_engine: FakeEngineControl, redis_url: str) -> Iterator[dict[str, ServerProcess]]:
-    """Gateways a, b (short window) and c (one-minute window, strict guard), started side by side."""
-    envs = {"a": SHORT_ENV, "b": SHORT_ENV, "c": GUARDED_ENV}
+    """Gateways a, b (short window), c (one-minute window, strict guard) and d (one-minute window, admission beside
+    the engine request), started side by side."""
+    envs = {"a": SHORT_ENV, "b": SHORT_ENV, "c": GUARDED_ENV, "d": OVERLAP_ENV}
     with ThreadPoolExecutor(len(envs)) as pool:
         futures = {
             name: pool.submit(run_gateway, fake_engine.base_url, redis_url, env=env) for name, env in envs.items()
@@ -264,6 +266,42 @@ async def test_requests_limit_is_exact_across_two_gateways(
         await asyncio.sleep(retry_after)
         again = await client.post(f"{urls['b']}/v1/completions", json=completion(), headers=headers)
         assert again.status_code == 200, again.text
+
+
+async def test_with_overlap_admission_a_refused_request_is_aborted_at_the_engine_and_its_429_does_not_wait(
+    urls: dict[str, str], redis_clean: str, engine: FakeEngineControl
+) -> None:
+    rpm = 2
+    flags = ["--rpm", str(rpm), "--tpm", "0", "--max-concurrency", "0"]
+    secret = (await asyncio.to_thread(create_keys, redis_clean, {"overlap": flags}))["overlap"]
+    headers = auth(secret, "198.51.100.21")
+    slow = completion(fake_prefill_delay=3.0)  # the engine works on it for 3 s unless it is aborted
+    refusal = f"requests per {per(LONG_WINDOW)} (limit {rpm})"
+    async with httpx.AsyncClient(base_url=urls["d"], timeout=10) as client:
+        for left in range(rpm - 1, -1, -1):  # the first admitted before the engine request, the next beside it
+            answer = await client.post("/v1/completions", json=completion(), headers=headers)
+            assert answer.status_code == 200 and remaining(answer, "requests") == left, answer.text
+        started = time.monotonic()
+        refused = await client.post("/v1/completions", json=slow, headers=headers)
+        assert_rate_limited(refused, refusal, LONG_WINDOW)
+        assert time.monotonic() - started < 2.0, "the 429 waited for the engine"
+        assert remaining(refused, "requests") == 0
+        # It reached the engine beside its admission, which closed its connection when Redis refused it ...
+        aborted = await async_wait_until(
+            lambda: _slow_ones_gone(engine), within=5, message="the refused request was not aborted at the engine"
+        )
+        assert len(aborted) == 1
+        # ... and the key's next request waits for Redis (here the refusal this process remembers): the engine
+        # never sees it.
+        again = await client.post("/v1/completions", json=slow, headers=headers)
+        assert_rate_limited(again, refusal, LONG_WINDOW)
+        assert len(await engine.arequests()) == rpm + 1
+
+
+async def _slow_ones_gone(engine: FakeEngineControl) -> list[dict[str, Any]]:
+    records = await engine.arequests()
+    slow = [r for r in records if isinstance(r["body"], dict) and "fake_prefill_delay" in r["body"]]
+    return [r for r in slow if r["disconnected"] and not r["completed"]]
 
 
 # --- concurrency: streams hold a slot until they end or their client leaves ---

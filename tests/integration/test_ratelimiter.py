@@ -14,7 +14,7 @@ from pydantic import SecretStr
 
 from gateway.auth import ApiKey, KeyLimits
 from gateway.errors import KeyStoreUnavailableError, RateLimitError
-from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter
+from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter, RequestLease
 from gateway.redis_client import connect_redis
 from gateway.settings import AuthSettings, RateLimitSettings, Settings
 from tests.procs import async_wait_until, free_port
@@ -356,3 +356,78 @@ async def test_precheck_ignores_token_refusals(processes: Processes) -> None:
     big = _key(tpm=10, name="dave")
     await _refused(limiter, big, 11)
     limiter.precheck(big)
+
+
+# --- admission beside the request (`limits.overlap_admission`, `RequestLease.acquire_beside`) ---
+
+
+async def test_a_key_is_admitted_beside_its_request_only_after_an_admission_and_one_at_a_time(
+    processes: Processes,
+) -> None:
+    limiter = await processes.limiter(overlap_admission=True)
+    key = _key(rpm=3)
+    first = RequestLease(limiter, key, "chat")
+    assert first.acquire_beside(0) is None, "a key this process has not admitted yet is admitted first"
+    await first.acquire(0)
+    second, third = RequestLease(limiter, key, "chat"), RequestLease(limiter, key, "chat")
+    beside = second.acquire_beside(0)
+    assert beside is not None
+    assert third.acquire_beside(0) is None, "one admission of a key beside its request at a time"
+    await beside
+    beside = third.acquire_beside(0)
+    assert beside is not None
+    await beside
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    fourth = RequestLease(limiter, key, "chat")
+    refused = fourth.acquire_beside(0)
+    assert refused is not None
+    with pytest.raises(RateLimitError):
+        await refused
+    assert fourth.headers == {}, "a refused lease holds nothing"
+    await fourth.release(0)
+    assert RequestLease(limiter, key, "chat").acquire_beside(0) is None, "refused last time: admitted first again"
+    for lease in (first, second, third):
+        await lease.release(0)
+    assert (await limiter.usage([key.name]))[key.name].requests == 3
+
+
+async def test_keys_are_admitted_first_with_overlap_admission_off_or_without_limits(processes: Processes) -> None:
+    serial = await processes.limiter()  # overlap_admission is off by default
+    key = _key(rpm=10)
+    await RequestLease(serial, key, "chat").acquire(0)
+    assert RequestLease(serial, key, "chat").acquire_beside(0) is None
+    limiter = await processes.limiter(overlap_admission=True)
+    unlimited = _key(name="carol")
+    await RequestLease(limiter, unlimited, "chat").acquire(0)
+    assert RequestLease(limiter, unlimited, "chat").acquire_beside(0) is None, "no limits: no Redis call to overlap"
+
+
+async def test_a_release_before_the_admission_beside_ends_gives_back_what_it_took(processes: Processes) -> None:
+    limiter = await processes.limiter(overlap_admission=True)
+    key = _key(rpm=10, tpm=100, concurrency=1)
+    await limiter.release(await limiter.acquire(key, 0))
+    lease = RequestLease(limiter, key, "chat")
+    admitting = lease.acquire_beside(100)
+    assert admitting is not None and not admitting.done()
+    await lease.release(0, served=False)  # the exchange failed before Redis answered
+    assert admitting.done()
+    # The slot and the 100 tokens are free again, and the request is not charged to the key.
+    again = await limiter.acquire(key, 100)
+    await limiter.release(again)
+    assert (await limiter.usage([key.name]))[key.name].requests == 2
+
+
+async def test_a_release_cancelled_while_the_admission_beside_runs_still_happens(processes: Processes) -> None:
+    limiter = await processes.limiter(overlap_admission=True)
+    key = _key(concurrency=1)
+    await limiter.release(await limiter.acquire(key, 0))
+    lease = RequestLease(limiter, key, "chat")
+    admitting = lease.acquire_beside(0)
+    assert admitting is not None
+    releasing = asyncio.create_task(lease.release(0))
+    await asyncio.sleep(0)  # waiting for the admission
+    releasing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await releasing
+    lease_again = await async_wait_until(lambda: _admitted(limiter, key), within=10, message="the slot leaked")
+    await limiter.release(lease_again)

@@ -19,8 +19,10 @@ from gateway.errors import (
     EngineRefusedError,
     EngineTimeoutError,
     EngineUnavailableError,
+    RateLimitError,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.ratelimit.limiter import rate_limit_error
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.exchange import BufferedAnswer, EngineRelay
@@ -29,7 +31,7 @@ from gateway.relay.sse import SSERelay
 from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import Settings
 from gateway.types import Message
-from tests.procs import free_port
+from tests.procs import async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -50,6 +52,7 @@ class Rig:
     settled: list[int | None] = field(default_factory=list)
     served: list[bool] = field(default_factory=list)
     seen_ids: list[str] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=lambda: {"x-ratelimit-limit-requests": "10"})
 
     async def release(self, used: int | None, record: RequestRecord | None = None, *, served: bool = True) -> None:
         """The rate-limit lease's release, as the exchange calls it: the tokens it settles with are recorded, and
@@ -57,7 +60,9 @@ class Rig:
         self.settled.append(used)
         self.served.append(served)
 
-    async def forward(self, *, stream: bool = False, request_id: str = "client-id") -> Any:
+    async def forward(
+        self, *, stream: bool = False, request_id: str = "client-id", admitting: asyncio.Task[None] | None = None
+    ) -> Any:
         record = RequestRecord(request_id=request_id, started_at=0.0)
         self.record = record
         return await self.relay.forward(
@@ -67,8 +72,8 @@ class Rig:
             _never_disconnects,
             stream=stream,
             strip_usage=True,
-            headers={"x-ratelimit-limit-requests": "10"},
             lease=self,
+            admitting=admitting,
         )
 
     def errors(self) -> dict[str, float]:
@@ -264,3 +269,103 @@ async def test_two_requests_with_one_client_id_reach_the_engine_with_different_i
     rig = await make_rig(ok)
     await asyncio.gather(rig.forward(request_id="same"), rig.forward(request_id="same"))
     assert len(set(rig.seen_ids)) == 2 and all(seen.startswith("same-") for seen in rig.seen_ids)
+
+
+# --- an admission running beside the exchange (a key admitted last time: `RequestLease.acquire_beside`) ---
+
+REFUSAL_HEADERS = {"x-ratelimit-remaining-requests": "0"}
+
+
+def _admission(after: float, *, refused: bool) -> asyncio.Task[None]:
+    """The key's admission as a task: it ends after `after` seconds, with a 429 when `refused`."""
+
+    async def admit() -> None:
+        await asyncio.sleep(after)
+        if refused:
+            raise rate_limit_error("Rate limit exceeded: requests per minute (limit 1).", 2000, REFUSAL_HEADERS)
+
+    return asyncio.create_task(admit())
+
+
+def _engine_working(started: asyncio.Event, ended: list[str]) -> Handler:
+    """An engine that works on every request for 5 s, recording how each one ended."""
+
+    async def working(request: web.Request) -> web.Response:
+        started.set()
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            ended.append("aborted")  # its client's connection closed: what vLLM aborts on
+            raise
+        ended.append("answered")
+        return web.json_response({"choices": [], "usage": USAGE})
+
+    return working
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refusal_while_the_engine_works_aborts_it_and_answers_the_429(make_rig: Any, stream: bool) -> None:
+    started, ended = asyncio.Event(), list[str]()
+    rig = await make_rig(_engine_working(started, ended))
+    admitting = _admission(0.2, refused=True)
+    with pytest.raises(RateLimitError) as caught:
+        await asyncio.wait_for(rig.forward(stream=stream, admitting=admitting), 3)
+    assert started.is_set(), "the request went on to the engine while the admission ran"
+    assert caught.value.status_code == 429 and caught.value.headers["x-ratelimit-remaining-requests"] == "0"
+    await async_wait_until(lambda: ended == ["aborted"], within=3, message=f"the engine's request: {ended}")
+    # Settled once (a refused lease holds nothing to give back), and no engine error counted.
+    assert len(rig.settled) == 1 and rig.errors() == {}
+    assert rig.activity.in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refusal_after_the_engine_answered_still_wins(make_rig: Any, stream: bool) -> None:
+    async def quick(request: web.Request) -> web.StreamResponse:
+        if not stream:
+            return web.json_response({"choices": [], "usage": USAGE})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
+        await asyncio.sleep(5)  # a long stream the refusal ends
+        return response
+
+    rig = await make_rig(quick)
+    with pytest.raises(RateLimitError):
+        await asyncio.wait_for(rig.forward(stream=stream, admitting=_admission(0.3, refused=True)), 3)
+    assert len(rig.settled) == 1 and rig.errors() == {}
+    assert rig.activity.in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_admission_that_passes_late_lets_the_answer_out_with_the_keys_headers(
+    make_rig: Any, stream: bool
+) -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [], "usage": USAGE})
+
+    rig = await make_rig(ok)
+    admitting = _admission(0.2, refused=False)
+    answer = await asyncio.wait_for(rig.forward(stream=stream, admitting=admitting), 3)
+    assert admitting.done(), "nothing goes to the client before the key is admitted"
+    if stream:
+        assert isinstance(answer, SSERelay)
+        sent: list[Message] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        await answer({"type": "http"}, _never_disconnects, send)
+        assert (b"x-ratelimit-limit-requests", b"10") in sent[0]["headers"]
+    else:
+        assert isinstance(answer, BufferedAnswer) and answer.status == 200
+        assert (b"x-ratelimit-limit-requests", b"10") in answer.headers
+        assert rig.settled == [7]
+
+
+async def test_an_engine_failure_during_the_admission_is_the_engines_error_settled_once(make_rig: Any) -> None:
+    rig = await make_rig(None)  # nothing listens
+    admitting = _admission(0.3, refused=False)
+    with pytest.raises(EngineRefusedError):
+        await rig.forward(admitting=admitting)
+    assert rig.settled == [0] and rig.errors() == {"refused": 1.0}
+    await admitting  # the lease's release waits for it (tests/integration/test_ratelimiter.py)
