@@ -91,13 +91,16 @@ class Options:
     nginx: bool = False
     lean: bool = False
     baseline: Path | None = None
+    settings: tuple[tuple[str, str], ...] = ()  # NEMOTRON_* settings of this tree's gateway alone (`--setting`)
 
     @property
     def label(self) -> str:
         """The gateway's settings in words, for the report's title."""
         if not self.lean:
-            return "default settings: access log on, workers unset, API key and limits ON"
-        return f"lean: access log off, 1 worker, {'API key and limits ON' if self.auth else 'auth OFF'}"
+            label = "default settings: access log on, workers unset, API key and limits ON"
+        else:
+            label = f"lean: access log off, 1 worker, {'API key and limits ON' if self.auth else 'auth OFF'}"
+        return label + "".join(f", {name}={value}" for name, value in self.settings)
 
 
 def workloads(options: Options) -> list[Workload]:
@@ -361,7 +364,7 @@ def start_targets(options: Options, stack: ExitStack) -> Targets:
             GATEWAY,
             [str(gateway_cmd), *gateway_argv],
             core=0 if pin else None,
-            env=_gateway_env(options, redis_url),
+            env=_gateway_env(options, redis_url) | dict(options.settings),
             inherit=False,
         )
     )
@@ -456,10 +459,24 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
         help="also measure, in the same rounds, the gateway of another source tree (a directory holding its "
         "`gateway` package, e.g. from `git archive REV gateway | tar -x -C DIR`); reported after this tree's",
     )
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NEMOTRON_NAME=VALUE",
+        help="a setting of this tree's gateway, not the baseline's (repeatable): measure one setting against the "
+        "tree without it",
+    )
     args = parser.parse_args(argv)
     few, many = sorted(args.chunks)
     if few == many:
         parser.error("--chunks needs two different counts")
+    settings: list[tuple[str, str]] = []
+    for setting in args.setting:
+        name, equals, value = setting.partition("=")
+        if not equals or not name.startswith("NEMOTRON_"):
+            parser.error(f"--setting takes NEMOTRON_NAME=VALUE, not {setting!r}")
+        settings.append((name, value))
     options = Options(
         duration=args.duration,
         rounds=max(1, args.rounds),
@@ -475,6 +492,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
         nginx=not args.no_nginx and nginx_binary() is not None,
         lean=args.lean,
         baseline=args.baseline,
+        settings=tuple(settings),
     )
     return options, args.json
 

@@ -10,6 +10,7 @@ import pytest
 
 from loadtest.cli import check_prompts_file
 from loadtest.gpu import bench
+from loadtest.overhead import parse_options
 from loadtest.points import Shape, Workload, error_reason, request_rows, summary
 from loadtest.telemetry import Snapshot, metrics_delta, parse_metrics, server_side
 
@@ -157,3 +158,12 @@ def test_metrics_parsing_and_deltas() -> None:
     assert derived["gateway_requests"] == 20, "the API routes only, not the scrapes of /metrics"
     assert derived["gateway_ttft_mean_ms"] == pytest.approx(100) and "engine_preemptions" not in derived
     assert metrics_delta(Snapshot(0, None, None), Snapshot(1, after, None)) is None
+
+
+def test_overhead_takes_settings_for_the_measured_gateway_and_names_them() -> None:
+    options, _ = parse_options(["--setting", "NEMOTRON_LIMITS__OVERLAP_ADMISSION=true", "--setting", "NEMOTRON_X=a=b"])
+    assert options.settings == (("NEMOTRON_LIMITS__OVERLAP_ADMISSION", "true"), ("NEMOTRON_X", "a=b"))
+    assert options.label.endswith(", NEMOTRON_LIMITS__OVERLAP_ADMISSION=true, NEMOTRON_X=a=b")
+    for bad in ("LOG_LEVEL=debug", "NEMOTRON_LOG_LEVEL"):
+        with pytest.raises(SystemExit):
+            parse_options(["--setting", bad])
