@@ -16,7 +16,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway.auth import ApiKey
-from gateway.errors import GatewayError, RequestTooLargeError
+from gateway.errors import RequestTooLargeError
 from gateway.ratelimit import RequestLease
 from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.exchange import AfterSettle
@@ -115,13 +115,15 @@ async def _admit(
     )
     try:
         await services.admission.admit(priority)
-    except GatewayError:
+        scheduling = services.monitor.priority_scheduling
+        services.admission.count_sent(priority, sent=scheduling)
+        return prepared.engine_body(priority if scheduling else None)
+    except BaseException:
+        # Refused (or cancelled) before the engine: the key's request is given back, and an admission still running
+        # beside it is waited for, so that nothing it takes stays held.
         if lease is not None:
-            await lease.release(0, served=False)  # refused before the engine: the key's request is given back
+            await lease.release(0, served=False)
         raise
-    scheduling = services.monitor.priority_scheduling
-    services.admission.count_sent(priority, sent=scheduling)
-    return prepared.engine_body(priority if scheduling else None)
 
 
 @router.get("/v1/models")
