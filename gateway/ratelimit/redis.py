@@ -251,6 +251,14 @@ class RedisRateLimiter:
         """The admission `claim_beside` allowed has ended (admitted, refused, failed or cancelled)."""
         self._beside_keys.discard(key.name)
 
+    def _note_admission(self, name: str, *, admitted: bool) -> None:
+        if not admitted:
+            self._admitted_keys.discard(name)
+        elif name not in self._admitted_keys:
+            if len(self._admitted_keys) >= _MAX_ADMITTED_KEYS:
+                self._admitted_keys.clear()
+            self._admitted_keys.add(name)
+
     def effective_limits(self, key: LimitedKey) -> EffectiveLimits:
         """The key's limits with the server defaults filled in (0: unlimited)."""
         own, defaults = key.limits, self._settings
@@ -332,7 +340,7 @@ class RedisRateLimiter:
             raise
         except KeyStoreUnavailableError as exc:
             self._release_unconfirmed_later(lease)
-            self._admitted_keys.discard(key.name)
+            self._admitted_keys.discard(key.name)  # empty unless overlap_admission
             if self._settings.fail_open:
                 cause = exc.__cause__ or exc
                 logger.warning("Rate-limit store unavailable (%s); admitting without limits", type(cause).__name__)
@@ -342,12 +350,8 @@ class RedisRateLimiter:
         refused, retry_ms, requests_used, tokens_used, day_used, month_used = result
         lease.headers = self._headers(limits, requests_used, tokens_used)
         lease.headers |= _budget_headers(limits, day_used, month_used)
-        if refused:
-            self._admitted_keys.discard(key.name)
-        elif key.name not in self._admitted_keys:
-            if len(self._admitted_keys) >= _MAX_ADMITTED_KEYS:
-                self._admitted_keys.clear()
-            self._admitted_keys.add(key.name)
+        if self._overlap:
+            self._note_admission(key.name, admitted=not refused)
         if refused & _REFUSED_BUDGET:
             raise self._quota_refusal(key.name, limits, tokens, day_used, month_used, retry_ms, lease.headers)
         if refused:
