@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from tests.engine.conftest import CACHE_ROOT
-from tests.procs import REPO_ROOT, ServerProcess
+from tests.procs import REPO_ROOT, ServerProcess, wait_until
 
 
 def gateway_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -59,8 +59,33 @@ def running_in_vllm(engine: str) -> float:
     """vLLM's own gauge of the requests it is generating for (`engine`: its URL), summed over its engines. It is set
     from the engine core's stats, which reach the API server a step or more behind the tokens: wait for a value,
     never read it once."""
+    return _vllm_stats(engine)[0]
+
+
+def _vllm_stats(engine: str) -> tuple[float, float]:
+    """vLLM's running-requests gauge and generated-tokens counter, from one read of its /metrics."""
     text = httpx.get(f"{engine}/metrics", timeout=5).text
-    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M))
+    running = sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M))
+    generated = sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)", text, re.M))
+    return running, generated
+
+
+def generated_in_vllm(engine: str) -> float:
+    """vLLM's own count of the tokens it has generated (`engine`: its URL), summed over its engines."""
+    return _vllm_stats(engine)[1]
+
+
+def tokens_generated_since(engine: str, before: float, timeout: float = 30) -> float:
+    """The tokens vLLM generated since its counter read `before`, once what began since is over: the counter has
+    counted some and the running gauge, set from the same stats, reads 0. An abort shows as fewer than asked for;
+    a generation that went on for a gone client is waited out and shows all of them. Reading the gauge alone
+    flakes both ways: a fast generation can be over before a poll sees it running."""
+
+    def ended() -> float:
+        running, generated = _vllm_stats(engine)
+        return generated - before if generated > before and running == 0 else 0.0
+
+    return wait_until(ended, timeout=timeout, message="vLLM counted no tokens or is still generating")
 
 
 def descendants(pid: int) -> list[int]:

@@ -23,9 +23,9 @@ import openai
 import pytest
 
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.stacks import gateway_cli, running_in_vllm, running_up, up_settings
+from tests.engine.stacks import gateway_cli, generated_in_vllm, running_up, tokens_generated_since, up_settings
 from tests.engine.test_nemotron_presets import OPERATOR_PRESETS, _plugin_path, _token_id
-from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
+from tests.procs import REPO_ROOT, ServerProcess, free_port
 from tools import demo_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
@@ -50,9 +50,6 @@ class Stack:
         # The key as `x-api-key`, as Anthropic's API wants it (this SDK's `api_key` is sent as a Bearer token).
         headers = {"x-api-key": key or self.key}
         return anthropic.Anthropic(base_url=self.gateway, default_headers=headers, max_retries=0, timeout=120)
-
-    def running_in_vllm(self) -> float:
-        return running_in_vllm(self.engine)
 
     def metric(self, name: str, labels: str) -> float:
         text = httpx.get(f"{self.gateway}/metrics", timeout=5).text
@@ -172,24 +169,26 @@ def test_a_stored_response_is_readable_and_continued_only_with_the_key_that_made
 
 
 def test_a_client_leaving_a_responses_or_messages_stream_aborts_the_generation_in_vllm(stack: Stack) -> None:
-    long = {"extra_body": {"ignore_eos": True}}
+    budget, long = 1500, {"extra_body": {"ignore_eos": True}}
+    before = generated_in_vllm(stack.engine)
     with stack.openai() as sdk:
-        stream = sdk.responses.create(model=MODEL, input="A long story", stream=True, max_output_tokens=1500, **long)
+        stream = sdk.responses.create(model=MODEL, input="A long story", stream=True, max_output_tokens=budget, **long)
         for index, _ in enumerate(stream):
             if index == 5:
                 break
-        wait_until(lambda: stack.running_in_vllm() >= 1, timeout=5, message="vLLM never showed the request running")
         stream.close()
-    wait_until(lambda: stack.running_in_vllm() == 0, timeout=30, message="vLLM still generating for a gone client")
+    generated = tokens_generated_since(stack.engine, before)
+    assert generated < budget, f"vLLM generated {generated:.0f} of {budget} tokens for a gone client"
+    before = generated_in_vllm(stack.engine)
     with stack.anthropic() as sdk:
         with sdk.messages.stream(
-            model=MODEL, max_tokens=1500, messages=[{"role": "user", "content": "A long story"}], **long
+            model=MODEL, max_tokens=budget, messages=[{"role": "user", "content": "A long story"}], **long
         ) as stream:
             for index, _ in enumerate(stream):
                 if index == 5:
                     break
-            wait_until(lambda: stack.running_in_vllm() >= 1, timeout=5, message="vLLM never showed it running")
-    wait_until(lambda: stack.running_in_vllm() == 0, timeout=30, message="vLLM still generating for a gone client")
+    generated = tokens_generated_since(stack.engine, before)
+    assert generated < budget, f"vLLM generated {generated:.0f} of {budget} tokens for a gone client"
 
 
 TOOL = {
