@@ -100,8 +100,9 @@ class UpstreamResponse:
             raise
 
     def tap(self, relay: Tap) -> None:
-        """Offer every further body chunk to `relay` where it arrives, in the connection's data callback, before
-        it is buffered for `read_chunk`; a chunk `relay` returns True for is not buffered."""
+        """Offer the further body to `relay` where it arrives, in the connection's data callback, the chunks of one
+        read from the engine together, before it is buffered for `read_chunk`; what `relay` returns True for is not
+        buffered."""
         self._response.tap(relay)
 
     def close(self) -> None:

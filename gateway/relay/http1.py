@@ -5,8 +5,10 @@ its auto headers and payload lookup, the connector's checkout, a ClientResponse 
 of the gateway's CPU per non-stream request with keys and limits on (py-spy under the overhead benchmark), for a
 peer that is always the one engine, on loopback, speaking HTTP/1.1. Here a request is one write of its head and
 body on a pooled connection, and the answer is parsed in the connection's data callback by httptools (llhttp, the
-parser uvicorn already runs for the gateway's own clients). A body chunk goes to the response's tap (the stream
-relay's straight path) or its buffer; a finished answer's connection goes back to the pool at once.
+parser uvicorn already runs for the gateway's own clients). The body chunks parsed from one read go on together, as
+one piece, to the response's tap (the stream relay's straight path) or its buffer: a loaded engine's chunks arrive
+several to a read, and each piece the tap takes is one write to the client (one system call, as nginx's one writev
+for a read). A finished answer's connection goes back to the pool at once.
 
 What it keeps of a client: a bound on connections (callers wait for one), idle connections dropped after
 `keepalive_timeout` (below the engine's own idle timeout, so a request never goes out on a connection the engine
@@ -29,7 +31,8 @@ import httptools
 
 from gateway.deadline import deadline
 
-# A tap sees each body chunk in the connection's data callback and returns True when it relayed it itself.
+# A tap sees the body bytes of each read from the engine in the connection's data callback and returns True when
+# it relayed them itself.
 Tap = Callable[[bytes], bool]
 # Unread bytes a response buffers before the connection stops reading from the engine (TCP backpressure).
 HIGH_WATER: Final = 2**16
@@ -71,8 +74,8 @@ class Response:
         self.done = False  # the whole body arrived
 
     def tap(self, relay: Tap) -> None:
-        """Offer every further body chunk to `relay` in the connection's data callback, before buffering it; a chunk
-        it returns True for is not buffered."""
+        """Offer the further body, a read's chunks at a time, to `relay` in the connection's data callback, before
+        buffering it; what it returns True for is not buffered."""
         self._tap = relay
 
     async def read_chunk(self) -> bytes:
@@ -152,6 +155,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._response: Response | None = None
         self._head: asyncio.Future[None] | None = None
+        self._body: list[bytes] = []  # the body chunks parsed from the read being fed, handed on at its end
         self._length_known = False  # a Content-Length or chunked body: the connection's end does not end it
         self.paused = False
         self.lost = False
@@ -203,6 +207,9 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._error(InvalidResponseError(f"the engine's answer is not HTTP/1.1 ({exc})"))
             self.close()
+            return
+        if self._body:
+            self._deliver()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -235,11 +242,11 @@ class _Connection(asyncio.Protocol):
                 head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        response = self._response
-        if response is not None:
-            response._feed(body)
+        if self._response is not None:
+            self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._deliver()
         response, self._response = self._response, None
         if response is None:
             return
@@ -251,7 +258,16 @@ class _Connection(asyncio.Protocol):
         else:
             self.close()
 
+    def _deliver(self) -> None:
+        """Hand the body chunks parsed so far from this read to the response, as one piece."""
+        body, response = self._body, self._response
+        if body:
+            self._body = []
+            if response is not None:
+                response._feed(body[0] if len(body) == 1 else b"".join(body))
+
     def _error(self, error: ClientError) -> None:
+        self._deliver()  # what arrived before the failure is handed out before it
         response, self._response = self._response, None
         head = self._head
         if head is not None and not head.done():

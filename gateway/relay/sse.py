@@ -7,12 +7,13 @@ recorded as engine progress (one timestamp) for the engine monitor, which can al
 the engine stuck. Speaks raw ASGI; imports no web framework and no HTTP client (the engine's bytes come
 through `UpstreamResponse.read_chunk`, errors already mapped).
 
-Where the server offers a `BodyWriter` in the scope (gateway/uvicorn_internals.py does), a plain content chunk is
+Where the server offers a `BodyWriter` in the scope (gateway/uvicorn_internals.py does), plain content is
 relayed from the engine connection's data callback straight to the client connection, below ASGI's
 per-message path: no task wake-up, no send() through the middleware chain (~20 µs a chunk on the per-message
-path against nginx's ~10, measured by `python -m loadtest.overhead`). Everything else (the first chunk, a
-partial line, usage, `[DONE]`, a full client buffer, whatever arrives while the relay is busy) takes the
-per-message path. The client's disconnect is watched by `relay/disconnect.py`.
+path against nginx's ~10, measured by `python -m loadtest.overhead`), and the chunks of one read from the engine
+in one write. Everything else (the first chunk, a partial line, usage, `[DONE]`, a full client buffer, whatever
+arrives while the relay is busy) takes the per-message path. The client's disconnect is watched by
+`relay/disconnect.py`.
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ class SSERelay:
             await send({"type": "http.response.body", "body": self._shape.error_event(error), "more_body": False})
 
     def _relay_now(self, chunk: bytes) -> bool:
-        """In the engine connection's data callback: write a plain content chunk straight to the client.
+        """In the engine connection's data callback: write plain content (what one read brought) straight to the
+        client.
 
         False (the chunk is then buffered for the pump) for anything the pump must look at, or when the pump
         is not parked: what it has not sent yet must go out first.

@@ -143,6 +143,25 @@ async def test_content_chunks_go_straight_to_the_client_and_the_rest_through_sen
     assert record.total_tokens == 8
 
 
+async def test_the_chunks_of_one_read_go_to_the_client_in_one_write() -> None:
+    # A loaded engine's chunks arrive several to a read: one write (one system call) carries them all, as
+    # nginx's one writev for a read does; what the relay must look at still goes through send.
+    relay, connection, response, record = await _relay()
+    client = Client()
+    scope: dict[str, Any] = {"type": "http", BODY_WRITER: client}
+    task = asyncio.ensure_future(relay(scope, client.receive, client.send))
+    contents = [delta("a"), delta("b"), delta("c")]
+    # One read each: the first chunk (it times the first token, through send), three content chunks, the end.
+    for read in ([delta("")], contents, [USAGE_EVENT, DONE]):
+        await _until(lambda: response._waiter is not None)
+        connection.data_received(b"".join(b"%x\r\n%b\r\n" % (len(chunk), chunk) for chunk in read))
+    connection.data_received(b"0\r\n\r\n")
+    await task
+    assert client.via("direct") == [b"".join(contents)]
+    assert client.body == delta("") + b"".join(contents) + DONE
+    assert record.total_tokens == 8
+
+
 async def test_a_client_that_cannot_take_more_gets_the_same_bytes_through_send() -> None:
     client = Client()
     client.accept_direct = False  # e.g. its write buffer is full: send waits for it to drain
