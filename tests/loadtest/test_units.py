@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.cli import check_prompts_file
+from loadtest.cpusplit import parse_perf_dso, parse_strace_counts
 from loadtest.gpu import bench
 from loadtest.overhead import parse_options
 from loadtest.points import Shape, Workload, error_reason, request_rows, summary
@@ -167,3 +168,37 @@ def test_overhead_takes_settings_for_the_measured_gateway_and_names_them() -> No
     for bad in ("LOG_LEVEL=debug", "NEMOTRON_LOG_LEVEL"):
         with pytest.raises(SystemExit):
             parse_options(["--setting", bad])
+
+
+PERF_REPORT = """# Total Lost Samples: 0
+#
+# Samples: 2K of event 'cpu-clock:pppH'
+# Event count (approx.): 1032000000
+#
+# Overhead  Shared Object
+# ........  ..............................................
+#
+    47.82%  libpython3.11.so.1.0
+    39.83%  [kernel.kallsyms]
+     4.84%  loop.cpython-311-x86_64-linux-gnu.so
+"""
+
+STRACE_SUMMARY = """% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+ 64.21    0.428413          15     28447           write
+ 14.44    0.096375          15      6366           read
+  0.01    0.000018          18         1         1 connect
+------ ----------- ----------- --------- --------- ----------------
+100.00    0.667197          14     34814         1 total
+"""
+
+
+def test_the_cpu_split_reads_perfs_shares_as_seconds_and_straces_calls() -> None:
+    split = parse_perf_dso(PERF_REPORT)
+    assert split.seconds == pytest.approx(1.032)
+    assert split.by_object["[kernel.kallsyms]"] == pytest.approx(0.3983 * 1.032)
+    assert split.by_object["libpython3.11.so.1.0"] == pytest.approx(0.4782 * 1.032)
+    assert len(split.by_object) == 3
+    assert parse_strace_counts(STRACE_SUMMARY) == {"write": 28447, "read": 6366, "connect": 1}
+    with pytest.raises(ValueError):
+        parse_perf_dso("no samples")
