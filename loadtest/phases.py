@@ -180,11 +180,31 @@ def pick(records: Iterable[PhaseRecord], workload: str, target: str) -> list[Pha
 
 def chunk_cost_us(records: list[PhaseRecord], target: str, streams: tuple[Workload, Workload]) -> float:
     """µs of `target`'s CPU per relayed chunk: per round, the slope between two chunk counts; then the median."""
+    return median(_round_chunk_costs(records, target, streams).values())
+
+
+def chunk_cost_ratio(
+    records: list[PhaseRecord], target: str, reference: str, streams: tuple[Workload, Workload]
+) -> float:
+    """`target`'s CPU per relayed chunk as a multiple of `reference`'s: per round, the ratio of their slopes (the two
+    measured seconds apart, under the same state of the machine), then the median; rounds where the reference's
+    slope is not positive are left out. A ratio of the two medians would pair one round's target with another's
+    reference, and a machine that drifts between rounds moves it."""
+    ours = _round_chunk_costs(records, target, streams)
+    theirs = _round_chunk_costs(records, reference, streams)
+    return median(ours[k] / theirs[k] for k in ours if k in theirs and theirs[k] > 0)
+
+
+def _round_chunk_costs(records: list[PhaseRecord], target: str, streams: tuple[Workload, Workload]) -> dict[int, float]:
+    """Per round, µs of `target`'s CPU per relayed chunk: the slope between the two chunk counts."""
     few, many = streams
     cost = {w.chunks: {r.round: r.cpu_per_request_ms(target) for r in pick(records, w.name, target)} for w in streams}
     span = many.chunks - few.chunks
-    paired = [k for k in cost[many.chunks] if k in cost[few.chunks]]
-    return median((cost[many.chunks][k] - cost[few.chunks][k]) * 1000 / span for k in paired)
+    return {
+        k: (cost[many.chunks][k] - cost[few.chunks][k]) * 1000 / span
+        for k in cost[many.chunks]
+        if k in cost[few.chunks]
+    }
 
 
 def median(values: Iterable[float]) -> float:

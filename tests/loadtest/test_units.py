@@ -12,6 +12,8 @@ from loadtest.cli import check_prompts_file
 from loadtest.cpusplit import parse_perf_dso, parse_strace_counts
 from loadtest.gpu import bench
 from loadtest.overhead import parse_options
+from loadtest.phases import PhaseRecord, chunk_cost_ratio, chunk_cost_us
+from loadtest.phases import Workload as PhaseWorkload
 from loadtest.points import Shape, Workload, error_reason, request_rows, summary
 from loadtest.telemetry import Snapshot, metrics_delta, parse_metrics, server_side
 
@@ -202,3 +204,50 @@ def test_the_cpu_split_reads_perfs_shares_as_seconds_and_straces_calls() -> None
     assert parse_strace_counts(STRACE_SUMMARY) == {"write": 28447, "read": 6366, "connect": 1}
     with pytest.raises(ValueError):
         parse_perf_dso("no samples")
+
+
+def _stream_record(round_: int, target: str, chunks: int, us_per_chunk: float) -> PhaseRecord:
+    ms_per_request = 0.5 + chunks * us_per_chunk / 1000
+    return PhaseRecord(
+        round=round_,
+        workload=f"stream {chunks} chunks c=64",
+        target=target,
+        concurrency=64,
+        stream=True,
+        chunks=chunks,
+        requests=100,
+        errors=0,
+        first_error=None,
+        wall_s=1.0,
+        rps=100.0,
+        p50_ms=1.0,
+        p99_ms=1.0,
+        first_byte_p50_ms=1.0,
+        reads_per_request=1.0,
+        cpu_s={target: 100 * ms_per_request / 1000},
+        sys_s={target: 0.0},
+        wait_s={target: 0.0},
+    )
+
+
+def test_the_per_chunk_ratio_pairs_each_round_with_the_reference_measured_beside_it() -> None:
+    streams = (
+        PhaseWorkload("stream 16 chunks c=64", 64, True, 16),
+        PhaseWorkload("stream 64 chunks c=64", 64, True, 64),
+    )
+    # The machine drifts between rounds (x1, x1.5, x2); the gateway costs 1.3x nginx in each round but one, where
+    # nginx's phase was disturbed; round 3's nginx slope is 0 (noise), so that round cannot be a ratio.
+    gateway = [13.0, 19.5, 26.0, 13.0]
+    nginx = [10.0, 30.0, 20.0, 0.0]
+    records = [
+        _stream_record(k, target, chunks, costs[k])
+        for k in range(4)
+        for target, costs in (("gateway", gateway), ("nginx", nginx))
+        for chunks in (16, 64)
+    ]
+    assert chunk_cost_us(records, "gateway", streams) == pytest.approx(16.25)
+    assert chunk_cost_ratio(records, "gateway", "nginx", streams) == pytest.approx(1.3)
+    # The ratio of the medians mixes rounds: 16.25 / 15.0.
+    assert chunk_cost_us(records, "gateway", streams) / chunk_cost_us(records, "nginx", streams) == pytest.approx(
+        16.25 / 15.0
+    )
