@@ -1,7 +1,8 @@
 """One measured phase: a workload sent to one target while the CPU time of the processes involved is metered.
 
-CPU comes from /proc/<pid>/stat (utime + stime) before and after the measured requests: the figure that
-survives a noisy machine, unlike latency and throughput. Imports nothing from `gateway`.
+CPU comes from the scheduler's per-thread run time (/proc/<pid>/task/*/schedstat, nanoseconds) before and after
+the measured requests: the figure that survives a noisy machine, unlike latency and throughput. Imports nothing
+from `gateway`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from typing import Any
 import orjson
 
 from loadtest.loadgen import LoadResult, run_load
-from loadtest.processes import own_cpu_seconds, run_queue_wait_seconds, tree_cpu_seconds, tree_run_queue_wait_seconds
+from loadtest.processes import (
+    run_queue_wait_seconds,
+    run_seconds,
+    tree_cpu_seconds,
+    tree_run_queue_wait_seconds,
+    tree_run_seconds,
+)
 from loadtest.stub_engine import MODEL
 
 LOADGEN = "loadgen"
@@ -104,16 +111,15 @@ class CpuMeter:
         self._pids = dict(pids)
 
     def snapshot(self) -> CpuSnapshot:
-        """The counters of every metered process now."""
-        times = {name: tree_cpu_seconds(pid) for name, pid in self._pids.items()}
-        times[LOADGEN] = own_cpu_seconds()
+        """The counters of every metered process now: CPU from the scheduler's nanosecond count, the system part
+        from /proc/<pid>/stat's ticks (its share only is shown: the ticks are too coarse for a phase's total)."""
+        cpu = {name: tree_run_seconds(pid) for name, pid in self._pids.items()}
+        cpu[LOADGEN] = run_seconds(os.getpid())
+        system = {name: tree_cpu_seconds(pid)[1] for name, pid in self._pids.items()}
+        system[LOADGEN] = os.times().system
         wait = {name: tree_run_queue_wait_seconds(pid) for name, pid in self._pids.items()}
         wait[LOADGEN] = run_queue_wait_seconds(os.getpid())
-        return CpuSnapshot(
-            cpu={name: user + system for name, (user, system) in times.items()},
-            sys={name: system for name, (_, system) in times.items()},
-            wait=wait,
-        )
+        return CpuSnapshot(cpu=cpu, sys=system, wait=wait)
 
     @staticmethod
     def delta(before: CpuSnapshot, after: CpuSnapshot) -> CpuSnapshot:

@@ -4,6 +4,8 @@ result becomes a point's figures, the prompts file check, metrics parsing."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from loadtest.overhead import parse_options
 from loadtest.phases import PhaseRecord, chunk_cost_ratio, chunk_cost_us
 from loadtest.phases import Workload as PhaseWorkload
 from loadtest.points import Shape, Workload, error_reason, request_rows, summary
+from loadtest.processes import cpu_seconds, run_seconds, tree_run_seconds
 from loadtest.telemetry import Snapshot, metrics_delta, parse_metrics, server_side
 
 pytestmark = pytest.mark.timeout(30)
@@ -251,3 +254,30 @@ def test_the_per_chunk_ratio_pairs_each_round_with_the_reference_measured_beside
     assert chunk_cost_us(records, "gateway", streams) / chunk_cost_us(records, "nginx", streams) == pytest.approx(
         16.25 / 15.0
     )
+
+
+def test_a_processs_cpu_is_counted_to_the_microsecond_over_all_its_threads() -> None:
+    # Two threads burn CPU, then the process waits to be read: the scheduler's count agrees with the ticks of
+    # /proc/<pid>/stat, which are 10 ms each, and has no such steps.
+    burn = (
+        "import sys, threading, time\n"
+        "def spin():\n"
+        "    end = time.thread_time() + 0.3\n"
+        "    while time.thread_time() < end: pass\n"
+        "threads = [threading.Thread(target=spin) for _ in range(2)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print('done', flush=True); sys.stdin.read()\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == "done\n"
+            ran = run_seconds(child.pid)
+            user, system = cpu_seconds(child.pid)
+            assert 0.6 <= ran < 0.6 + 1.0  # the two threads ended: their time stays in the process's total
+            assert abs(ran - (user + system)) < 0.1
+            assert abs(ran * 100 - round(ran * 100)) > 1e-6, "nanoseconds, not 10 ms ticks"
+            assert tree_run_seconds(child.pid) == pytest.approx(ran, abs=0.01)
+        finally:
+            child.kill()
