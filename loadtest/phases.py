@@ -16,13 +16,7 @@ from typing import Any
 import orjson
 
 from loadtest.loadgen import LoadResult, run_load
-from loadtest.processes import (
-    run_queue_wait_seconds,
-    run_seconds,
-    tree_cpu_seconds,
-    tree_run_queue_wait_seconds,
-    tree_run_seconds,
-)
+from loadtest.processes import run_queue_wait_seconds, run_seconds, system_seconds, tree_sum
 from loadtest.stub_engine import MODEL
 
 LOADGEN = "loadgen"
@@ -113,12 +107,13 @@ class CpuMeter:
     def snapshot(self) -> CpuSnapshot:
         """The counters of every metered process now: CPU from the scheduler's nanosecond count, the system part
         from /proc/<pid>/stat's ticks (its share only is shown: the ticks are too coarse for a phase's total)."""
-        cpu = {name: tree_run_seconds(pid) for name, pid in self._pids.items()}
-        cpu[LOADGEN] = run_seconds(os.getpid())
-        system = {name: tree_cpu_seconds(pid)[1] for name, pid in self._pids.items()}
-        system[LOADGEN] = os.times().system
-        wait = {name: tree_run_queue_wait_seconds(pid) for name, pid in self._pids.items()}
-        wait[LOADGEN] = run_queue_wait_seconds(os.getpid())
+        metered = self._pids.items()
+        cpu = {name: tree_sum(pid, run_seconds) for name, pid in metered}
+        system = {name: tree_sum(pid, system_seconds) for name, pid in metered}
+        wait = {name: tree_sum(pid, run_queue_wait_seconds) for name, pid in metered}
+        # The load generator alone, not the processes it started.
+        own = os.getpid()
+        cpu[LOADGEN], system[LOADGEN], wait[LOADGEN] = run_seconds(own), os.times().system, run_queue_wait_seconds(own)
         return CpuSnapshot(cpu=cpu, sys=system, wait=wait)
 
     @staticmethod

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from gateway.supervisor.process import LoggedProcess, ProcessStartError, free_port
@@ -62,28 +62,21 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def tree_cpu_seconds(pid: int) -> tuple[float, float]:
-    """(utime, stime) summed over `pid` and its descendants, in seconds; a process that exits while it is read
-    (a replaced worker) counts what it spent until then, or nothing."""
-    user = system = 0.0
-    for member in process_tree(pid):
-        try:
-            u, s = cpu_seconds(member)
-        except OSError:
-            continue
-        user, system = user + u, system + s
-    return user, system
-
-
-def tree_run_queue_wait_seconds(pid: int) -> float:
-    """run_queue_wait_seconds summed over `pid` and its descendants (each worker's event loop)."""
+def tree_sum(pid: int, read: Callable[[int], float]) -> float:
+    """`read` of `pid` and of each of its descendants (a gateway's forked workers), summed; a process that exits
+    while it is read (a replaced worker) counts nothing."""
     total = 0.0
     for member in process_tree(pid):
         try:
-            total += run_queue_wait_seconds(member)
+            total += read(member)
         except OSError:
             continue
     return total
+
+
+def system_seconds(pid: int) -> float:
+    """The system (kernel) part of the process's CPU seconds, from /proc/<pid>/stat (10 ms resolution)."""
+    return cpu_seconds(pid)[1]
 
 
 def run_seconds(pid: int) -> float:
@@ -93,17 +86,6 @@ def run_seconds(pid: int) -> float:
     phases (the per-chunk slope) off by a third. OSError once the process is gone."""
     # Linux's clock id for a process's CPU time: the pid, inverted, shifted past the clock type (2: the scheduler's).
     return time.clock_gettime(((~pid) << 3) | 2)
-
-
-def tree_run_seconds(pid: int) -> float:
-    """run_seconds summed over `pid` and its descendants; a process that exits while it is read counts nothing."""
-    total = 0.0
-    for member in process_tree(pid):
-        try:
-            total += run_seconds(member)
-        except OSError:
-            continue
-    return total
 
 
 def run_queue_wait_seconds(pid: int) -> float:

@@ -17,7 +17,7 @@ from loadtest.overhead import parse_options
 from loadtest.phases import PhaseRecord, chunk_cost_ratio, chunk_cost_us
 from loadtest.phases import Workload as PhaseWorkload
 from loadtest.points import Shape, Workload, error_reason, request_rows, summary
-from loadtest.processes import cpu_seconds, run_seconds, tree_run_seconds
+from loadtest.processes import cpu_seconds, run_seconds, tree_sum
 from loadtest.telemetry import Snapshot, metrics_delta, parse_metrics, server_side
 
 pytestmark = pytest.mark.timeout(30)
@@ -278,6 +278,6 @@ def test_a_processs_cpu_is_counted_to_the_microsecond_over_all_its_threads() -> 
             assert 0.6 <= ran < 0.6 + 1.0  # the two threads ended: their time stays in the process's total
             assert abs(ran - (user + system)) < 0.1
             assert abs(ran * 100 - round(ran * 100)) > 1e-6, "nanoseconds, not 10 ms ticks"
-            assert tree_run_seconds(child.pid) == pytest.approx(ran, abs=0.01)
+            assert tree_sum(child.pid, run_seconds) == pytest.approx(ran, abs=0.01)
         finally:
             child.kill()
