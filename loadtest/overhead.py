@@ -4,7 +4,7 @@ The gateway runs pinned to core 0; the stub engine and this process (the load ge
 nginx, when installed, proxies the same workload from core 0 as the reference: a C proxy's cost for the
 same bytes, so every run prints the gateway's cost per chunk as a multiple of nginx's.
 Reports medians across rounds: latency direct vs gateway, saturation requests/s, and the gateway's own
-CPU time per request and per relayed chunk from the scheduler's run time (schedstat). Imports nothing from `gateway`.
+CPU time per request and per relayed chunk from each process's CPU-time clock. Imports nothing from `gateway`.
 
     python -m loadtest.overhead [--duration S] [--rounds K] [--concurrency 1 32] [--json OUT]
     python -m loadtest.overhead --lean [--auth]     # access log off, one worker, no keys (--auth: keys on)

@@ -1,6 +1,6 @@
 """One measured phase: a workload sent to one target while the CPU time of the processes involved is metered.
 
-CPU comes from the scheduler's per-thread run time (/proc/<pid>/task/*/schedstat, nanoseconds) before and after
+CPU comes from each process's CPU-time clock (the scheduler's nanosecond count, every thread) before and after
 the measured requests: the figure that survives a noisy machine, unlike latency and throughput. Imports nothing
 from `gateway`.
 """
