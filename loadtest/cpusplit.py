@@ -72,11 +72,7 @@ def _recorded(argv: list[str], pids: list[int]) -> tuple[Callable[[], None], Cal
     started: list[subprocess.Popen[bytes]] = []
 
     def start() -> None:
-        attach = (
-            [arg for pid in pids for arg in ("-p", str(pid))]
-            if argv[0] == "strace"
-            else ["-p", ",".join(map(str, pids))]
-        )
+        attach = ["-p", ",".join(map(str, pids))]  # perf and strace both take a comma-separated list
         started.append(subprocess.Popen([*argv, *attach], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(0.5)  # attached before the first measured request
 
