@@ -46,7 +46,7 @@ class EngineActivity:
 
     def progress(self) -> None:
         """The engine produced something (a chunk, an answer): it generates."""
-        self.shared.last_progress = time.monotonic()
+        self.shared.stamp_progress()
 
     def quiet_for(self) -> float:
         """Seconds since the engine last made progress (for any worker)."""

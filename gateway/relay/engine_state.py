@@ -64,6 +64,7 @@ _DRAINING = 64  # i64: 1 once the gateway got its stop signal
 _SLOTS = 128  # then SLOTS x (pid i32, exchanges in flight i32)
 SLOTS = 256
 _SIZE = _SLOTS + 8 * SLOTS
+_F64 = struct.Struct("d")  # the progress stamp, written for every relayed chunk: packed without a format lookup
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,10 @@ class SharedEngineState:
     @last_progress.setter
     def last_progress(self, value: float) -> None:
         self._put("d", _LAST_PROGRESS, value)
+
+    def stamp_progress(self) -> None:
+        """The engine produced something just now (the relay calls this for every chunk: one store)."""
+        _F64.pack_into(self._memory, _LAST_PROGRESS, time.monotonic())
 
     @property
     def progress_mark(self) -> float:

@@ -162,6 +162,21 @@ async def test_the_chunks_of_one_read_go_to_the_client_in_one_write() -> None:
     assert record.total_tokens == 8
 
 
+async def test_a_usage_in_any_spacing_is_read_and_a_null_usage_is_relayed_as_it_came() -> None:
+    # The straight path holds back any chunk naming "usage": a usage object, compact or spaced, is read (and
+    # dropped: the client did not ask for it); a content chunk with "usage": null reaches the client unchanged.
+    client = Client()
+    with_null = b'data: {"id": "c1", "choices": [{"index": 0, "delta": {"content": "a"}}], "usage": null}\n\n'
+    spaced_usage = (
+        b'data: {"id": "c1", "choices": [], '
+        b'"usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}\n\n'
+    )
+    record = await _run(client, [delta(""), delta("b"), with_null, delta("c"), spaced_usage, DONE])
+    assert client.body == delta("") + delta("b") + with_null + delta("c") + DONE
+    assert with_null not in client.via("direct") and delta("b") in client.via("direct")
+    assert record.total_tokens == 8
+
+
 async def test_a_client_that_cannot_take_more_gets_the_same_bytes_through_send() -> None:
     client = Client()
     client.accept_direct = False  # e.g. its write buffer is full: send waits for it to drain
