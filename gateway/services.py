@@ -16,7 +16,7 @@ from gateway.auth import KeyStore
 from gateway.exposition import Exposition
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import EngineAdmission, FailedAuthGuard, RedisRateLimiter
-from gateway.redis_client import close_redis, connect_redis
+from gateway.redis import close_redis, connect_redis
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
 from gateway.relay.engine_state import SharedEngineState

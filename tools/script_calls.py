@@ -36,7 +36,7 @@ async def _measure(redis_url: str, calls: int) -> dict[str, dict[str, float]]:
     """Per concurrency: calls/s and CPU µs a call of `DirectScript` (whichever `gateway` this process imports)."""
     from pydantic import SecretStr
 
-    from gateway.redis_client import DirectScript, close_redis, connect_redis
+    from gateway.redis import DirectScript, close_redis, connect_redis
     from gateway.settings import Settings
 
     client = connect_redis(Settings(redis_url=SecretStr(redis_url)))

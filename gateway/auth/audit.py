@@ -1,6 +1,6 @@
 """KeyAudit: the trail of changes to API keys (who, when, which key, the fields before and after) in Redis.
 
-Imports redis_client, auth.keys and auth.record only. The trail is one Redis stream, trimmed to about
+Imports gateway.redis, auth.keys and auth.record only. The trail is one Redis stream, trimmed to about
 `auth.audit_max_entries`, so it survives gateway restarts and stays bounded. The key store's scripts append to it in
 the same atomic step as the change (`auth.scripts`): an entry holds the record just before and just after, never
 the secret or its digest; read back, it shows the fields that changed as `ApiKey` has them (whatever fields exist:
@@ -22,7 +22,7 @@ import redis.asyncio as redis_asyncio
 
 from gateway.auth.keys import ApiKey
 from gateway.auth.record import fields_to_key, text
-from gateway.redis_client import RedisCalls
+from gateway.redis import RedisCalls
 
 # The key store's hash tag: the trail lives in the key store's Redis Cluster slot.
 AUDIT_STREAM: Final = "nemotron:{keys}:audit"

@@ -24,7 +24,7 @@ from gateway.auth.keys import ApiKey, KeyExistsError, KeyLimits, KeyNotFoundErro
 from gateway.auth.store import KeyStore
 from gateway.errors import GatewayError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.ratelimit import RedisRateLimiter, Usage
-from gateway.redis_client import close_redis, connect_redis
+from gateway.redis import close_redis, connect_redis
 from gateway.settings import Settings
 
 _DURATION_PART = re.compile(r"(\d+)([smhdw])")

@@ -1,6 +1,6 @@
 """KeyStore: API key records in Redis, a short in-process cache, and pub/sub invalidation across processes.
 
-Imports errors, settings, metrics, auth.keys, auth.record, auth.audit, auth.scripts and redis_client, whose boundary
+Imports errors, settings, metrics, auth.keys, auth.record, auth.audit, auth.scripts and gateway.redis, whose boundary
 (`RedisCalls`) maps Redis failures to KeyStoreUnavailableError. Redis holds digests only; secrets are never
 stored, logged, or put in messages.
 """
@@ -41,7 +41,7 @@ from gateway.auth.keys import (
 from gateway.auth.record import fields_to_key, key_to_fields, limit_fields, optional_int, pairs
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import DirectScript, PubSubListener, RedisCalls
+from gateway.redis import DirectScript, PubSubListener, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)

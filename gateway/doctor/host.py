@@ -21,7 +21,7 @@ from pydantic import SecretStr
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, warned
 from gateway.doctor.running import PortOwner
-from gateway.redis_client import ping_redis
+from gateway.redis import ping_redis
 from gateway.settings import RedisSettings, Settings
 
 MIN_OPEN_FILES = 65_536
@@ -203,7 +203,7 @@ def read_free_disk(path: Path) -> tuple[Path, int]:
 
 def probe_redis(url: str, timeout: float = 1.0, sentinel_password: SecretStr | None = None) -> str | None:
     """None if Redis (the master, with Sentinel) answers PING within `timeout`, else the error; connected as the
-    gateway connects (`redis_client.connect_redis`)."""
+    gateway connects (`gateway.redis.connect_redis`)."""
     redis = RedisSettings(
         connect_timeout=timeout, socket_timeout=timeout, command_timeout=timeout, sentinel_password=sentinel_password
     )

@@ -17,7 +17,7 @@ queues, or was admitted since the scrape) its sequence slots less the reserve: v
 request only when a running one ends, so without free slots an urgent request waits behind a batch generation.
 Retry-After is the time the observed drain rate (requests finished per second) takes to bring the count back
 under the tier's bound, between 1 s and `max_retry_after`.
-Imports errors, settings, metrics and redis_client.
+Imports errors, settings, metrics and gateway.redis.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import redis.asyncio as redis_asyncio
 from gateway.engine.state import STATUS_FILE, launched_sequence_slots
 from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import DirectScript, RedisCalls
+from gateway.redis import DirectScript, RedisCalls
 from gateway.settings import AdmissionSettings, Settings
 
 logger = logging.getLogger(__name__)

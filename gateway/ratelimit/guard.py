@@ -1,6 +1,6 @@
 """FailedAuthGuard: a client address that keeps failing authentication gets 429 for a while.
 
-Imports errors, settings, metrics and redis_client. The address is resolved by the app (uvicorn's forwarded-allow-ips),
+Imports errors, settings, metrics and gateway.redis. The address is resolved by the app (uvicorn's forwarded-allow-ips),
 not here. The guard is a brake, not a gate: if Redis is down it lets requests through, and authentication fails
 closed. A block stops guessing, not the address: keys that already authenticated in this process keep working
 from a blocked address (everyone behind one NAT), see `KeyStore.authenticate(known_only=True)`.
@@ -19,7 +19,7 @@ import redis.asyncio as redis_asyncio
 
 from gateway.errors import KeyStoreUnavailableError, RateLimitError
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import DirectScript, PubSubListener, RedisCalls
+from gateway.redis import DirectScript, PubSubListener, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -54,7 +54,7 @@ from gateway.ratelimit.limiter import (
     rate_headers,
     rate_limit_error,
 )
-from gateway.redis_client import REDIS_ERRORS, DirectScript, RedisCalls
+from gateway.redis import REDIS_ERRORS, DirectScript, RedisCalls
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from gateway.ratelimit import RedisRateLimiter
 from gateway.ratelimit.lua import ACQUIRE
-from gateway.redis_client import close_redis, connect_redis
+from gateway.redis import close_redis, connect_redis
 from gateway.settings import Settings
 from tests.faults.conftest import GATEWAY_ENV, Figures, chat_body, create_key
 from tests.procs import FakeEngineControl, run_gateway, wait_until

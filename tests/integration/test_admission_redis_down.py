@@ -7,7 +7,7 @@ import pytest
 from gateway.errors import KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import EngineAdmission
-from gateway.redis_client import close_redis, connect_redis
+from gateway.redis import close_redis, connect_redis
 from gateway.settings import Settings
 from tests.procs import free_port
 

@@ -13,7 +13,7 @@ from gateway.errors import EngineQueueFullError
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import EngineAdmission
 from gateway.ratelimit.admission import EngineLoad
-from gateway.redis_client import close_redis, connect_redis
+from gateway.redis import close_redis, connect_redis
 from gateway.settings import Settings
 
 pytestmark = pytest.mark.timeout(20)

@@ -16,7 +16,7 @@ from pydantic import SecretStr
 from gateway.auth import ApiKey, KeyLimits, KeyNotFoundError, KeyStore
 from gateway.errors import KeyStoreUnavailableError, QuotaExceededError, RateLimitError
 from gateway.ratelimit import Lease, RedisRateLimiter, TokenDetail
-from gateway.redis_client import connect_redis
+from gateway.redis import connect_redis
 from gateway.settings import AuthSettings, RateLimitSettings, RedisSettings, Settings
 from tests.procs import free_port
 

@@ -16,7 +16,7 @@ from gateway.auth import KeyExistsError, KeyLimits, KeyNotFoundError, KeyRevoked
 from gateway.auth.keys import INVALID_KEY_MESSAGE
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError, PermissionDeniedError
 from gateway.ratelimit import RedisRateLimiter
-from gateway.redis_client import connect_redis
+from gateway.redis import connect_redis
 from gateway.settings import AuthSettings, Settings
 from tests.procs import ServerProcess, async_wait_until, free_port
 

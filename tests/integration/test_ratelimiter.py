@@ -15,7 +15,7 @@ from pydantic import SecretStr
 from gateway.auth import ApiKey, KeyLimits
 from gateway.errors import KeyStoreUnavailableError, RateLimitError
 from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter, RequestLease
-from gateway.redis_client import connect_redis
+from gateway.redis import connect_redis
 from gateway.settings import AuthSettings, RateLimitSettings, Settings
 from tests.procs import async_wait_until, free_port
 

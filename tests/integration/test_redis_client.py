@@ -25,7 +25,7 @@ from redis.asyncio.sentinel import SentinelManagedConnection
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.redis_client import DirectScript, close_redis, connect_redis, script_lane
+from gateway.redis import DirectScript, close_redis, connect_redis, script_lane
 from gateway.settings import RedisSettings, Settings
 from tests.procs import async_wait_until
 

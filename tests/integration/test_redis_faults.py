@@ -22,7 +22,7 @@ from pydantic import SecretStr
 from gateway.auth import ApiKey, KeyLimits, KeyStore
 from gateway.errors import KeyStoreUnavailableError
 from gateway.ratelimit import FailedAuthGuard, Lease, RedisRateLimiter, lua
-from gateway.redis_client import connect_redis
+from gateway.redis import connect_redis
 from gateway.settings import AuthSettings, RateLimitSettings, RedisSettings, Settings
 from tests.conftest import _redis_server_binary, redis_answers
 from tests.procs import FakeEngineControl, ServerProcess, async_wait_until, free_port, run_gateway

@@ -16,7 +16,7 @@ from gateway.auth import KeyLimits, KeyStore
 from gateway.doctor.runner import DoctorConfig, run_checks
 from gateway.errors import RateLimitError
 from gateway.ratelimit import RedisRateLimiter
-from gateway.redis_client import close_redis, connect_redis
+from gateway.redis import close_redis, connect_redis
 from gateway.settings import AuthSettings, Settings
 from tests.redis_sentinel import SentinelGroup
 

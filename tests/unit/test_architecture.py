@@ -48,7 +48,7 @@ ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/engine/", "gateway/superv
 # The doctor checks what the supervisor would start: settings, errors, its own modules and the engine package
 # (profiles and the argv builder, the status file); nothing of the request path but the one Redis client
 # factory (its Redis row connects as the gateway does: plain or Sentinel).
-DOCTOR_MAY_IMPORT = ("gateway.settings", "gateway.redis_client", "gateway.errors", "gateway.doctor", "gateway.engine")
+DOCTOR_MAY_IMPORT = ("gateway.settings", "gateway.redis", "gateway.errors", "gateway.doctor", "gateway.engine")
 # The command line: it starts things, so it alone may import the supervisor (its entry modules included).
 CLI_LAYER = ("gateway/cli.py", "gateway/__main__.py", "gateway/supervisor/__main__.py", "gateway/doctor/__main__.py")
 ENGINE_USERS = (

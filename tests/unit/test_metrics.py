@@ -26,7 +26,7 @@ from gateway.exposition import ScrapeAccess
 from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics, WorkersCollector
 from gateway.middleware import RequestContextMiddleware
 from gateway.ratelimit.redis import _exhausted
-from gateway.redis_client import RedisCalls
+from gateway.redis import RedisCalls
 from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import HttpSettings, MetricsSettings, RedisSettings
 from gateway.types import Message, Send

@@ -17,7 +17,7 @@ from redis.exceptions import DataError, InvalidResponse, NoScriptError, ReadOnly
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import KeyStoreUnavailableError
-from gateway.redis_client import (
+from gateway.redis import (
     INCOMPLETE,
     RedisCalls,
     close_redis,
