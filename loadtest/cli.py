@@ -8,9 +8,8 @@
     overhead  the gateway-overhead benchmark (`make bench`; its own flags)
 
 `run`, `sweep` and `profiles` send their load with vLLM's benchmark client (`vllm bench serve`, one process per
-point: `loadtest/points.py`); the flags map onto its own (loadtest/README.md). Of `gateway` imports only the
-process runner (`gateway.supervisor.process`): targets are spoken to over HTTP, the supervisor runs as a child
-process.
+point: `loadtest/points.py`); the flags map onto its own (loadtest/README.md). It imports nothing of `gateway`:
+targets are spoken to over HTTP, the supervisor runs as a child process.
 """
 
 from __future__ import annotations

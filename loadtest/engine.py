@@ -3,8 +3,7 @@
 The supervisor is driven across the process boundary only: its settings through `NEMOTRON_ENGINE__*`
 variables, its state through the status file `<state dir>/engine.json`, readiness through the engine's
 `/health`. Stopping is SIGTERM to the supervisor (which drains and stops vLLM), SIGKILL after a grace
-period, and a last SIGKILL for a vLLM process group the supervisor left behind. Of `gateway` it imports only
-the process runner's module.
+period, and a last SIGKILL for a vLLM process group the supervisor left behind. It imports nothing of `gateway`.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from gateway.supervisor.process import http_status
-from loadtest.processes import BenchProcess
+from loadtest.processes import BenchProcess, http_status
 
 logger = logging.getLogger(__name__)
 

@@ -1,28 +1,38 @@
-"""Benchmark subprocesses: pinned to a core, in their own process group, with their CPU time read from /proc.
+"""Processes started by a benchmark or a test: in their own process group, pinned to a core, CPU time from /proc.
 
-The runner is the project's own (`gateway.supervisor.process.LoggedProcess`, which the tests use too); the
-processes it starts are spoken to over HTTP only.
+`LoggedProcess` is the synchronous runner of the load tool and of the test suite (tests/procs.py builds on it): the
+command in a new session, its output into a log file, stopped by process group. It lives here, not in the gateway
+package, because no product code starts a server this way: the supervisor runs the engine under its reaper
+(`gateway.supervisor.process.GuardedProcess`). The processes it starts are spoken to over HTTP only; nothing here
+imports the gateway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-
-from gateway.supervisor.process import LoggedProcess, ProcessStartError, free_port
+from types import TracebackType
+from typing import Self
 
 __all__ = [
     "BenchProcess",
+    "LoggedProcess",
     "ProcessStartError",
     "can_pin",
     "cpu_seconds",
     "free_port",
+    "http_status",
     "pin_self",
     "python_argv",
     "revision",
@@ -107,8 +117,157 @@ def pin_self(core: int) -> None:
     os.sched_setaffinity(0, {core})
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# Straight to the address, whatever proxy the environment names: these URLs are local servers.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_status(url: str, timeout: float = 1.0) -> int | None:
+    """The status `url` answers a GET with, or None when nothing answers in `timeout` seconds."""
+    try:
+        with _DIRECT.open(url, timeout=timeout) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+class ProcessStartError(RuntimeError):
+    """A process exited before it was ready, or was not ready in time; the message carries its log's tail."""
+
+
+class LoggedProcess:
+    """`argv` in a new session (its own process group), stdout and stderr into a temporary log file.
+
+    `stop` signals the whole group: SIGTERM, up to `grace` seconds for the command to exit, then SIGKILL. It can
+    be started again after a stop (a new log each time). `with LoggedProcess(argv) as proc:` starts and stops it.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.argv = [str(arg) for arg in argv]
+        self.env = dict(env) if env is not None else None
+        self.cwd = Path(cwd) if cwd is not None else None
+        # Named in messages and the log file's name: the module of `python -m MODULE`, else the program.
+        module = self.argv[self.argv.index("-m") + 1] if "-m" in self.argv[:-1] else None
+        self.name = name or module or Path(self.argv[0]).name
+        self.returncode: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path: Path | None = None
+        self._final_log: str | None = None
+
+    @property
+    def pid(self) -> int:
+        """The command's pid, also its process group's id."""
+        if self._proc is None:
+            raise ProcessStartError(f"{self.name} is not started")
+        return self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        """Whether the command has started and not exited."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def poll(self) -> int | None:
+        """The exit code once the command has exited, else None (also None before `start`)."""
+        return None if self._proc is None else self._proc.poll()
+
+    def start(self) -> Self:
+        """Spawn the command in a new session, its output into a new log file."""
+        fd, path = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".log")
+        self._log_path, self._final_log, self.returncode = Path(path), None, None
+        try:
+            self._proc = subprocess.Popen(
+                self.argv,
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            os.close(fd)
+        return self
+
+    def wait_until_ready(
+        self, url: str | None, within: float, *, status: int = 200, check: Callable[[], bool] | None = None
+    ) -> None:
+        """Block until `check()` holds (if given) and `url` answers `status` (if given); ProcessStartError when the
+        command exits first or `within` seconds pass."""
+        deadline = time.monotonic() + within
+        while True:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise ProcessStartError(f"{self.name} exited with {code} before ready:\n{self.tail()}")
+            if (check is None or check()) and (url is None or http_status(url) == status):
+                return
+            if time.monotonic() >= deadline:
+                what = f"did not answer {url} with {status}" if url else "was not ready"
+                raise ProcessStartError(f"{self.name} {what} within {within:g} s:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the whole process group (nothing once the command has exited: its id may be reused)."""
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        """SIGTERM the group, wait up to `grace` s for the command, then SIGKILL the group; the exit code."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            self.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc is not None:
+            self.returncode = proc.returncode
+        if self._log_path is not None and self._final_log is None:
+            self._final_log = self._log_path.read_text(errors="replace")
+            self._log_path.unlink(missing_ok=True)
+        return self.returncode
+
+    def log_text(self) -> str:
+        """Everything the command wrote to stdout and stderr so far (kept after `stop`)."""
+        if self._final_log is not None:
+            return self._final_log
+        return "" if self._log_path is None else self._log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 50) -> str:
+        """The last `lines` lines of the log."""
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> Self:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
 class BenchProcess(LoggedProcess):
-    """The project's process runner (`LoggedProcess`), optionally pinned with `taskset -c CORE`, run from the
+    """The process runner (`LoggedProcess`), optionally pinned with `taskset -c CORE`, run from the
     repository root; stopped by process group."""
 
     def __init__(

@@ -1,8 +1,8 @@
 """Real server processes for tests: free ports, start/ready/stop in a process group, polling, the fake engine; and
 the gateway's own server (uvicorn with its protocol) serving an app in the test's loop (`serving_on_loopback`).
 
-The runner is the project's own (`gateway.supervisor.process.LoggedProcess`, which the load tool uses too); the
-fake engine is spoken to over HTTP only.
+The runner is the one the load tool uses too (`loadtest.processes.LoggedProcess`, kept out of the gateway package);
+the fake engine is spoken to over HTTP only.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import httpx
 
 from gateway.client_limits import ClientLimits
 from gateway.settings import Settings
-from gateway.supervisor.process import LoggedProcess, ProcessStartError, free_port
 from gateway.types import ASGIApp
 from gateway.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
+from loadtest.processes import LoggedProcess, ProcessStartError, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -78,7 +78,7 @@ ServerProcessError = ProcessStartError
 
 
 class ServerProcess(LoggedProcess):
-    """The project's process runner (`LoggedProcess`) for a test's server: ready when its URL or check answers.
+    """The process runner (`LoggedProcess`) for a test's server: ready when its URL or check answers.
 
     `with ServerProcess(argv, ready_url=...) as proc:` starts and waits; leaving the block stops it:
     SIGTERM to the group, up to `stop_timeout` seconds, then SIGKILL to the group.

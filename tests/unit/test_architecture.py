@@ -299,20 +299,113 @@ def test_the_gateway_never_imports_the_engine_plugin_nor_the_plugin_the_gateway(
     assert not violations, _report(violations)
 
 
-def test_the_load_tool_and_the_tests_share_the_gateway_process_runner_alone() -> None:
-    """The load tool drives the gateway across process boundaries; of the package it imports only the process
-    runner, which the tests' runner is built on too."""
+# What the load tool may import of the package: nothing. It drives the gateway across process boundaries (HTTP, the
+# supervisor as a child process, its status file); its process runner, which the tests share, is its own.
+LOADTEST_MAY_IMPORT: tuple[str, ...] = ()
+
+
+def test_the_load_tool_imports_nothing_of_the_gateway_and_the_tests_share_its_runner() -> None:
     loadtest = [i for p in sorted((ROOT / "loadtest").rglob("*.py")) for i in _imports(p)]
     violations = [
-        str(i)
-        for i in loadtest
-        if _is_within(i.module, ("gateway",)) and not _is_within(i.module, ("gateway.supervisor.process",))
+        str(i) for i in loadtest if _is_within(i.module, ("gateway",)) and not _is_within(i.module, LOADTEST_MAY_IMPORT)
     ]
     assert not violations, _report(violations)
-    assert ("loadtest/processes.py", "gateway.supervisor.process") in {(i.file, i.module) for i in loadtest}
-    assert ("tests/procs.py", "gateway.supervisor.process") in {
-        (i.file, i.module) for i in _imports(ROOT / "tests/procs.py")
-    }
+    assert ("tests/procs.py", "loadtest.processes") in {(i.file, i.module) for i in _imports(ROOT / "tests/procs.py")}
+
+
+def _top_level_definitions(tree: ast.Module) -> dict[str, ast.stmt]:
+    """Name -> statement of each function, class and assigned name at a module's top level."""
+    found: dict[str, ast.stmt] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update((t.id, node) for t in targets if isinstance(t, ast.Name))
+    return found
+
+
+def _used_in_own_module(tree: ast.Module, name: str, definition: ast.stmt) -> bool:
+    """Whether `name` is read in its module outside its own definition, or registered there by a decorator."""
+    if isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and definition.decorator_list:
+        return True
+    return any(
+        isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load)
+        for top in tree.body
+        if top is not definition
+        for node in ast.walk(top)
+    )
+
+
+def _only_for_outsiders(importers: list[Path], package: Path, entry_points: set[tuple[str, str]]) -> list[str]:
+    """`file:line: module.name` for each name `importers` import from `package` that no module of the package uses:
+    neither its own module (a decorator registering it counts) nor another one importing it, nor an entry point.
+
+    An attribute of that name read anywhere in the package counts as a use (`lua.ACQUIRE`, or `module.print_argv`
+    on a module the command line loads by name), so the check errs toward passing, never toward a false alarm."""
+    used = set(entry_points)
+    attributes: set[str] = set()
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = _resolve(path, node) if node.level else node.module or ""
+                used.update((module, alias.name) for alias in node.names)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                attributes.add(node.attr)
+    violations = []
+    for importer in importers:
+        for node in ast.walk(ast.parse(importer.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            if not _is_within(node.module, (package.name,)):
+                continue
+            source = package.parent.joinpath(*node.module.split(".")).with_suffix(".py")
+            if not source.is_file():
+                continue  # a package's __init__ re-exports names defined elsewhere
+            tree = ast.parse(source.read_text())
+            definitions = _top_level_definitions(tree)
+            for alias in node.names:
+                definition = definitions.get(alias.name)
+                if definition is None or (node.module, alias.name) in used or alias.name in attributes:
+                    continue
+                if not _used_in_own_module(tree, alias.name, definition):
+                    violations.append(f"{importer.name}:{node.lineno}: {node.module}.{alias.name} serves only it")
+    return violations
+
+
+def test_nothing_in_the_package_exists_only_for_the_tests_or_the_load_tool() -> None:
+    """Test tooling lives with its users (tests/, loadtest/), not in the product: every name the tests or the load
+    tool import from `gateway` is one the product itself uses."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"].values()
+    entry_points = {(module, name) for module, name in (target.split(":") for target in scripts)}
+    importers = [p for folder in ("tests", "loadtest") for p in sorted((ROOT / folder).rglob("*.py"))]
+    violations = _only_for_outsiders(importers, PACKAGE, entry_points)
+    assert not violations, _report(violations)
+
+
+def test_the_outsider_check_catches_a_name_only_a_test_uses(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text(
+        "def only_for_tests(): pass\n"
+        "def helper(): pass\n"
+        "def api(): return helper()\n"
+        "def loaded_by_name(): pass\n"
+        "@register\n"
+        "def route(): pass\n"
+        "def main(): pass\n"
+    )
+    (package / "user.py").write_text(
+        "import importlib\nfrom pkg.mod import api\nimportlib.import_module('pkg.mod').loaded_by_name()\n"
+    )
+    test = tmp_path / "test_probe.py"
+    test.write_text(
+        "from pkg.mod import only_for_tests, helper, api, route, main, loaded_by_name\nfrom pkg.user import api\n"
+    )
+    assert _only_for_outsiders([test], package, {("pkg.mod", "main")}) == [
+        "test_probe.py:1: pkg.mod.only_for_tests serves only it"
+    ]
 
 
 def test_nothing_but_the_server_imports_the_app() -> None:
