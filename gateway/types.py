@@ -34,6 +34,8 @@ class LibraryInternals:
     subclass: type | None = None
     overridden: tuple[str, ...] = ()  # the library class's methods that `subclass` overrides
     used: tuple[str, ...] = ()  # its methods called and attributes read or written
+    # Methods called with arguments by name: (method, the parameter names passed), so a rename fails the test too.
+    called: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 __all__ = ["ASGIApp", "LibraryInternals", "Message", "Receive", "Scope", "Send"]

@@ -30,7 +30,7 @@ from redis.exceptions import DataError, InvalidResponse, NoScriptError, ReadOnly
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
-class _InlineWrite(AbstractConnection):
+class InlineWrite(AbstractConnection):
     """A redis-py connection that writes a command in the caller's task when the write cannot wait.
 
     redis-py bounds every write by `socket_timeout` with `asyncio.wait_for`, which runs it in a task of its own:
@@ -79,13 +79,13 @@ _INLINE_CLASSES: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 def inline_writes(client: redis_asyncio.Redis) -> redis_asyncio.Redis:
     """`client` whose pool makes its connections of its own class (plain, TLS, Unix socket, Sentinel-managed)
-    with `_InlineWrite` in front."""
+    with `InlineWrite` in front."""
     pool = client.connection_pool
     base = pool.connection_class
-    if not issubclass(base, _InlineWrite):
+    if not issubclass(base, InlineWrite):
         derived = _INLINE_CLASSES.get(base)
         if derived is None:
-            derived = _INLINE_CLASSES[base] = type(f"Inline{base.__name__}", (_InlineWrite, base), {})
+            derived = _INLINE_CLASSES[base] = type(f"Inline{base.__name__}", (InlineWrite, base), {})
         pool.connection_class = derived
     return client
 
@@ -101,9 +101,9 @@ class DirectScript(AsyncScript):
     it again. Called with a pipeline (`client=`), it is redis-py's own.
     """
 
-    def __init__(self, client: redis_asyncio.Redis, script: str) -> None:
-        super().__init__(client, script)
-        self._client = client
+    def __init__(self, registered_client: redis_asyncio.Redis, script: str) -> None:
+        super().__init__(registered_client, script)
+        self._client = registered_client
         self._loading: asyncio.Future[Any] | None = None
         # The lane's connection this script last ran on (so Redis has it): `post` sends it there, not elsewhere.
         self._ran_on: object | None = None
@@ -205,7 +205,7 @@ class ScriptLane:
         self._pool = pool
         self._stall_after = stall_after
         self._transport: asyncio.WriteTransport | None = None
-        self._connection: _InlineWrite | None = None  # redis-py's, which made the transport
+        self._connection: InlineWrite | None = None  # redis-py's, which made the transport
         self._protocol: _LaneProtocol | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -323,10 +323,10 @@ class ScriptLane:
         return self._transport
 
     async def _connect(self) -> None:
-        connection: _InlineWrite = self._pool.make_connection()
+        connection: InlineWrite = self._pool.make_connection()
         # The pool counts the lane's connection as in use from the start, so closing the client (`aclose`,
         # `close_redis`) closes it too: during the handshake by redis-py's own disconnect (the handshake then fails
-        # with a connection error), after it by the lane (`_InlineWrite.disconnect`). redis-py's connection object
+        # with a connection error), after it by the lane (`InlineWrite.disconnect`). redis-py's connection object
         # keeps its stream meanwhile (a StreamWriter closes its transport when collected).
         self._pool._in_use_connections.add(connection)
         try:
@@ -401,7 +401,7 @@ class ScriptLane:
             elif future is not None and not future.done():
                 future.set_exception(failure)
 
-    def _release(self, connection: _InlineWrite) -> None:
+    def _release(self, connection: InlineWrite) -> None:
         """Give `connection` up: out of the pool's count, its stream closed (a no-op after the transport's abort)."""
         self._pool._in_use_connections.discard(connection)
         connection.lane_release = None

@@ -1,8 +1,10 @@
-"""The uvicorn internals the gateway relies on are all there in the installed library.
+"""The uvicorn and redis-py internals the gateway relies on are all there in the installed libraries.
 
-The names come from the module's own declaration (`INTERNALS` in gateway/uvicorn_internals.py), so an upgrade that
-removes or renames one fails here, naming it, instead of failing requests. A subclass's overrides are checked against
-the declaration both ways: one it does not declare would shadow a library method by accident.
+The names come from the modules' own declarations (`INTERNALS` in gateway/uvicorn_internals.py and
+gateway/redis/internals.py), so an upgrade that removes, renames or reshapes one fails here, naming it, instead of
+failing requests. A subclass's overrides are checked against the declaration both ways: one it does not declare would
+shadow a library method by accident. The parameters passed by name must still be there; and the installed version
+must lie within the bounds pyproject.toml gives it, which are the versions these checks passed on.
 """
 
 from __future__ import annotations
@@ -11,18 +13,22 @@ import ast
 import functools
 import inspect
 import textwrap
+import tomllib
+from pathlib import Path
 
 import pytest
+import redis
 import uvicorn
 
 from gateway import uvicorn_internals
+from gateway.redis import internals as redis_internals
 from gateway.types import LibraryInternals
 
 pytestmark = pytest.mark.timeout(30)
 
-ALL_INTERNALS = [(uvicorn_internals, internals) for internals in uvicorn_internals.INTERNALS]
+ALL_INTERNALS = [(module, declared) for module in (uvicorn_internals, redis_internals) for declared in module.INTERNALS]
 DECLARED = [
-    pytest.param(internals, id=f"{module.__name__.rsplit('.', 1)[-1]}:{internals.library_class.__name__}")
+    pytest.param(internals, id=f"{module.__name__.split('.', 1)[-1]}:{internals.library_class.__name__}")
     for module, internals in ALL_INTERNALS
 ]
 SUBCLASSED = [
@@ -31,7 +37,7 @@ SUBCLASSED = [
     if internals.subclass is not None
 ]
 # The versions the modules' docstrings name as tested; a different one installed is a reminder to re-read them.
-TESTED = {"uvicorn": (uvicorn, "0.54.")}
+TESTED = {"uvicorn": (uvicorn, "0.54."), "redis": (redis, "8.")}
 
 
 @functools.cache
@@ -88,6 +94,15 @@ def test_overridden_methods_are_methods_with_the_signature_the_override_has(inte
         )
 
 
+@pytest.mark.parametrize("internals", DECLARED)
+def test_parameters_passed_by_name_are_still_parameters(internals: LibraryInternals) -> None:
+    cls = internals.library_class
+    for name, passed in internals.called:
+        parameters = inspect.signature(getattr(cls, name)).parameters
+        gone = [parameter for parameter in passed if parameter not in parameters]
+        assert not gone, f"{cls.__qualname__}.{name} does not take {gone}; it takes {list(parameters)}"
+
+
 @pytest.mark.parametrize("internals", SUBCLASSED)
 def test_a_subclass_overrides_exactly_what_is_declared(internals: LibraryInternals) -> None:
     subclass = internals.subclass
@@ -119,6 +134,12 @@ def test_a_name_gone_from_the_library_is_named_in_the_failure() -> None:
         test_every_name_relied_upon_exists_in_the_installed_library(gone)
 
 
+def test_a_parameter_gone_from_the_library_is_named_in_the_failure() -> None:
+    renamed = LibraryInternals(_CYCLE, called=(("__init__", ("scope", "renamed_flow")),))
+    with pytest.raises(AssertionError, match="does not take \\['renamed_flow'\\]"):
+        test_parameters_passed_by_name_are_still_parameters(renamed)
+
+
 def test_the_member_scan_finds_attributes_set_in_methods_and_misses_absent_ones() -> None:
     found = members(_CYCLE)
     assert {"chunked_encoding", "response_started", "keep_alive"} <= found
@@ -132,3 +153,23 @@ def test_the_installed_version_is_the_one_the_modules_were_checked_with(library:
         f"{library} {module.__version__} is installed; the internals were read on {prefix}x: re-read what "
         "gateway/uvicorn_internals.py relies on, then update its docstring, this table and the bound in pyproject.toml"
     )
+
+
+def test_redis_bounds_in_pyproject_are_those_the_internals_were_checked_on() -> None:
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert redis_internals.REQUIREMENT in project["dependencies"], (
+        f"pyproject.toml must require {redis_internals.REQUIREMENT!r}, the redis-py releases "
+        "gateway/redis/internals.py was checked on"
+    )
+    assert redis_internals.supported(redis.__version__), (
+        f"redis-py {redis.__version__} is installed, outside {redis_internals.REQUIREMENT}: re-read what "
+        "gateway/redis/internals.py relies on, run these checks, then widen the bound there and in pyproject.toml"
+    )
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [("8.1.0", True), ("8.2.0", True), ("8.10.1rc1", True), ("8.0.1", False), ("7.4.1", False), ("9.0.0", False)],
+)
+def test_the_redis_bound_admits_the_releases_it_names_and_no_other(version: str, expected: bool) -> None:
+    assert redis_internals.supported(version) is expected
