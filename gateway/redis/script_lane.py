@@ -8,7 +8,7 @@ lane then owns its transport. `DirectScript` is redis-py's script object called 
 a client's pooled connections write a command in the caller's task.
 
 This reaches into redis-py below its documented API: each name it relies on is declared in `gateway.redis.internals`
-and checked against the installed redis-py by tests/unit/test_redis_internals.py. Imports redis-py and hiredis only.
+and checked against the installed redis-py by tests/unit/test_library_internals.py. Imports redis-py and hiredis only.
 """
 
 from __future__ import annotations
