@@ -29,6 +29,8 @@ bench:          ## gateway overhead vs the engine directly and vs nginx (the ref
 	.venv/bin/python -m loadtest.overhead --json loadtest/results/overhead-default.json
 	@echo "== lean: access log off, one worker, no keys"
 	.venv/bin/python -m loadtest.overhead --lean --json loadtest/results/overhead-lean.json
+	@# the run's small summary for the performance page (docs/performance.md: python -m tools.perf_doc renders it)
+	.venv/bin/python -m loadtest.summary overhead loadtest/results/overhead-default.json loadtest/results/overhead-lean.json
 
 hotspots:       ## where the gateway's CPU goes under the bench's load (py-spy, default settings; HOTSPOTS_ARGS="--lean")
 	scripts/bootstrap
@@ -38,6 +40,7 @@ soak:           ## a bounded soak (3 min; SOAK_ARGS="--duration 900" for longer,
 	scripts/bootstrap
 	mkdir -p loadtest/results
 	.venv/bin/python -m loadtest.soak $(SOAK_ARGS)
+	.venv/bin/python -m loadtest.summary soak loadtest/results/soak.json
 
 dashboard:      ## redraw deploy/grafana/nemotron-gateway.png from the monitoring test's Prometheus (a real prometheus; ~3 min)
 	scripts/bootstrap

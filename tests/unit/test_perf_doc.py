@@ -1,0 +1,87 @@
+"""The performance page's tables are the newest run summaries, rendered; a summary keeps what its table needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadtest import summary
+from tools import perf_doc
+
+
+def test_the_performance_page_is_current() -> None:
+    page = perf_doc.PAGE.read_text()
+    assert perf_doc.render_page(page, summary.load_all()) == page, (
+        f"{perf_doc.PAGE.relative_to(perf_doc.ROOT)} differs from loadtest/summaries/: "
+        f"run `.venv/bin/python -m tools.perf_doc` and commit the page"
+    )
+
+
+def test_every_benchmark_has_a_table_and_a_summary_naming_its_run() -> None:
+    page = perf_doc.PAGE.read_text()
+    kept = summary.load_all()
+    for benchmark in summary.BENCHMARKS:
+        assert perf_doc.begin(benchmark) in page
+        assert any(entry["benchmark"] == benchmark for entry in kept)
+    for entry in kept:
+        assert entry["benchmark"] in summary.BENCHMARKS
+        assert entry["commit"] and entry["date"][:4].isdigit() and entry["command"]
+        assert summary.path_of(entry).is_file()
+
+
+def _point(target: str, c: int, tokens: float, ttft: float) -> dict[str, object]:
+    return {
+        "target": target,
+        "api": "chat",
+        "concurrency": c,
+        "clients": 1,
+        "check": False,
+        "cut": False,
+        "requests": 10,
+        "ok": 10,
+        "output_tokens_per_s": tokens,
+        "ttft_p50_ms": ttft,
+        "itl_p50_ms": 3.0,
+        "cpu_s_per_1k_tokens": {"gateway": 0.05, "vllm-api": 0.25},
+    }
+
+
+def test_a_sweep_pairs_each_concurrency_in_run_order(tmp_path: Path) -> None:
+    points = [
+        _point("direct", 16, 1000.0, 50.0),
+        _point("gateway", 16, 990.0, 51.0),
+        _point("gateway", 16, 1010.0, 49.0),
+        _point("direct", 16, 1000.0, 50.0),
+        {**_point("gateway", 64, 0.0, 0.0), "cut": True, "ok": 0},
+    ]
+    entry = summary.summary("gpu-sweep", "abc1234", "2030-01-02", "loadtest/gpu/run bench", "a GPU", {"points": points})
+    table = perf_doc.render(entry)
+    assert "Run at `abc1234`, 2030-01-02" in table and "`loadtest/gpu/run bench`" in table
+    assert "99.0 % (direct first), 101.0 % (gateway first); mean **100.0 %**" in table
+    assert "+1.00, -1.00 ms" in table and "0 of 40" in table
+    assert "| 64 |" not in table  # a point the time box cut is no pairing
+
+
+def test_the_newest_summary_is_the_one_shown() -> None:
+    old = summary.summary("soak", "aaaaaaa", "2030-01-01", "make soak", "", _soak(1))
+    new = summary.summary("soak", "bbbbbbb", "2030-01-02", "make soak", "", _soak(2))
+    page = f"{perf_doc.begin('soak')}\n{perf_doc.END}\n"
+    rendered = perf_doc.render_page(page, [old, new])
+    assert "`bbbbbbb`" in rendered and "`aaaaaaa`" not in rendered
+    with pytest.raises(ValueError, match="no summary of soak"):
+        perf_doc.render_page(page, [])
+
+
+def _soak(requests: int) -> dict[str, object]:
+    return {
+        "requests": requests,
+        "streams": 0,
+        "abandoned": 0,
+        "errors": 0,
+        "rss_mb": [1.0, 1.0],
+        "rss_growth_mb": 0.0,
+        "fds": [1, 1],
+        "fd_growth": 0,
+        "passed": True,
+    }
