@@ -16,7 +16,9 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
      │   ├─ RouteNotFoundError   404  invalid_request_error   code=unknown_url
      │   └─ ResponseNotFoundError 404                     code=response_not_found
      ├─ RateLimitError           429  rate_limit_error        code=rate_limit_exceeded, + Retry-After
-     │   ├─ QuotaExceededError   429  insufficient_quota      code=insufficient_quota (a spent token budget)
+     │   ├─ QuotaExceededError   429  insufficient_quota      code=insufficient_quota (a spent token budget) *
+     │   ├─ AddressBlockedError  429  (repeated failed authentication from the client's address) *
+     │   ├─ RequestOverLimitError 429 (larger than the key's per-minute token limit) *
      │   └─ EngineQueueFullError 429                      code=engine_queue_full (this priority tier's bound)
      ├─ InternalError            500  internal_error
      └─ ServiceUnavailableError  503  service_unavailable     + Retry-After
@@ -27,11 +29,18 @@ Imports nothing from the gateway or from web frameworks, so every layer may rais
          ├─ OverloadedError           503  code=too_many_connections
          ├─ EngineBusyError           503  code=engine_busy (the engine itself is full)
          ├─ EngineProtocolError       502  code=engine_protocol_error
+         ├─ EngineCredentialsError    502  code=engine_key_refused (the operator's engine key) *
          └─ EngineTimeoutError        504  code=engine_timeout
+
+Both SDKs retry a 408, 409, 429 or 5xx on their own (twice by default), sleeping its `retry-after-ms` or
+`Retry-After`: OpenAI's up to two minutes (a longer one raises at once), Anthropic's for any length (a budget
+refilling at midnight would hang the call for hours). The errors marked * are not cured by a retry soon: they send
+`x-should-retry: false`, which both SDKs obey, and keep the honest `Retry-After` for clients that schedule.
 
 The HTTP status comes from the class, never from message text: OpenAI SDKs pick the exception
 class they raise from the status, so the status is what must be right. The Anthropic Messages routes render
-the same errors in Anthropic's envelope (`to_anthropic_body`), whose `type` is derived from the status.
+the same errors in Anthropic's envelope (`to_anthropic_body`), whose `type` is derived from the status
+(`anthropic_error_type`).
 """
 
 from __future__ import annotations
@@ -51,7 +60,18 @@ _ANTHROPIC_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
 }
+# The header both SDKs read before their own retry rules (OpenAI's and Anthropic's `_should_retry`).
+SHOULD_RETRY = "x-should-retry"
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error `type` for an HTTP status (its SDK picks the exception class from the status)."""
+    kind = _ANTHROPIC_TYPES.get(status)
+    if kind is not None:
+        return kind
+    return "invalid_request_error" if status < 500 else "api_error"
 
 
 class GatewayError(Exception):
@@ -79,10 +99,7 @@ class GatewayError(Exception):
 
     def to_anthropic_body(self) -> dict[str, Any]:
         """The error as Anthropic's envelope: `{"type": "error", "error": {"type", "message"}}`."""
-        kind = _ANTHROPIC_TYPES.get(self.status_code)
-        if kind is None:
-            kind = "invalid_request_error" if self.status_code < 500 else "api_error"
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        return {"type": "error", "error": {"type": anthropic_error_type(self.status_code), "message": self.message}}
 
     def to_anthropic_json(self) -> bytes:
         """Anthropic's envelope serialised."""
@@ -189,7 +206,10 @@ class InternalError(GatewayError):
 
 
 class _RetryableError(GatewayError):
-    """An error that carries `Retry-After` (whole seconds, at least 1)."""
+    """An error that carries `Retry-After` (whole seconds, at least 1); `x-should-retry: false` as well where a
+    retry cannot cure it soon (`sdk_retry`, see the module docstring)."""
+
+    sdk_retry: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -200,6 +220,8 @@ class _RetryableError(GatewayError):
         headers: Mapping[str, str] | None = None,
     ) -> None:
         merged = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+        if not self.sdk_retry:
+            merged[SHOULD_RETRY] = "false"
         merged.update(headers or {})
         super().__init__(message, param=param, headers=merged)
         self.retry_after = retry_after
@@ -231,6 +253,30 @@ class QuotaExceededError(RateLimitError):
 
     type = "insufficient_quota"
     code = "insufficient_quota"
+    sdk_retry = False
+
+
+class AddressBlockedError(RateLimitError):
+    """The client's address failed authentication too often; it is answered 429 until its block ends."""
+
+    sdk_retry = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float = 1.0,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        limit: str = "failed_auth",
+    ) -> None:
+        super().__init__(message, retry_after=retry_after, param=param, headers=headers, limit=limit)
+
+
+class RequestOverLimitError(RateLimitError):
+    """The request alone asks more tokens than the key's per-minute token limit: no wait lets it pass."""
+
+    sdk_retry = False
 
 
 class EngineQueueFullError(RateLimitError):
@@ -292,6 +338,7 @@ class EngineCredentialsError(ServiceUnavailableError):
 
     status_code = 502
     code = "engine_key_refused"
+    sdk_retry = False
 
 
 class EngineTimeoutError(ServiceUnavailableError):

@@ -17,7 +17,7 @@ import time
 
 import redis.asyncio as redis_asyncio
 
-from gateway.errors import KeyStoreUnavailableError, RateLimitError
+from gateway.errors import AddressBlockedError, KeyStoreUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.redis import DirectScript, PubSubListener, RedisCalls
 from gateway.settings import Settings
@@ -69,7 +69,7 @@ class FailedAuthGuard:
         """Stop listening (a bounded wait, even if Redis is gone)."""
         await self._listener.stop()
 
-    def blocked(self, address: str) -> RateLimitError | None:
+    def blocked(self, address: str) -> AddressBlockedError | None:
         """The 429 for `address` while it is blocked, else None (in memory: no Redis call)."""
         until = self._blocked_until.get(address)
         if until is not None:
@@ -80,7 +80,7 @@ class FailedAuthGuard:
         return None
 
     async def check(self, address: str) -> None:
-        """Raise RateLimitError if `address` is blocked (in memory: no Redis call)."""
+        """Raise AddressBlockedError if `address` is blocked (in memory: no Redis call)."""
         error = self.blocked(address)
         if error is not None:
             raise error
@@ -124,11 +124,10 @@ class FailedAuthGuard:
         self._blocked_until[address] = now + milliseconds / 1000
 
     @staticmethod
-    def _error(seconds: float) -> RateLimitError:
-        return RateLimitError(
+    def _error(seconds: float) -> AddressBlockedError:
+        return AddressBlockedError(
             f"Too many failed authentication attempts from this address; retry in {math.ceil(seconds)} s.",
             retry_after=seconds,
-            limit="failed_auth",
         )
 
     def _warn(self, exc: BaseException) -> None:

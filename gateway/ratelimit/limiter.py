@@ -1,7 +1,7 @@
-"""The RateLimiter protocol, the Lease it hands out, and OpenAI's `x-ratelimit-*` header formats.
+"""The rate limiter's types (the limits that apply, the Lease it hands out) and OpenAI's `x-ratelimit-*` formats.
 
-Imports errors only; the Redis implementation lives in `ratelimit.redis`. Keys are taken structurally
-(`LimitedKey`), so this package does not depend on `gateway.auth`.
+Imports errors and gateway.usage (the budget windows a lease is charged to) only; the limiter itself lives in
+`ratelimit.redis`. Keys are taken structurally (`LimitedKey`), so this package does not depend on `gateway.auth`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.errors import RateLimitError
+from gateway.usage import BudgetWindows
 
 # A prompt's tokens are estimated from its characters until the engine reports the real usage; the
 # estimate is reconciled at release, so erring either way costs only until the request ends.
@@ -67,16 +68,6 @@ class EffectiveLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class BudgetWindows:
-    """The token budget windows a request is charged to: their Redis ids and milliseconds until each ends."""
-
-    day: str
-    month: str
-    day_left_ms: int
-    month_left_ms: int
-
-
-@dataclass(frozen=True, slots=True)
 class TokenDetail:
     """A request's tokens as the engine reported them (None: not reported), for usage by API."""
 
@@ -87,7 +78,7 @@ class TokenDetail:
 
 @dataclass(eq=False, slots=True)
 class Lease:
-    """One admitted request: its concurrency slot and token charge, until `RateLimiter.release`."""
+    """One admitted request: its concurrency slot and token charge, until `RedisRateLimiter.release`."""
 
     key_name: str
     lease_id: str
@@ -99,41 +90,6 @@ class Lease:
     budget_charged: int = 0  # tokens charged to the budget counters up front (reconciled at release)
     degraded: bool = False  # admitted without Redis (`limits.fail_open`); nothing to release
     released: bool = False
-
-
-class RateLimiter(Protocol):
-    """Admits requests against a key's requests/min, tokens/min and concurrency, all processes together."""
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    def precheck(self, key: LimitedKey) -> None:
-        """RateLimitError if `key` is known to be over its requests/min or concurrency right now, without
-        consuming anything or calling Redis: a cheap refusal before the request body is read."""
-        ...
-
-    def claim_beside(self, key: LimitedKey) -> bool:
-        """Whether `key`'s admission may run while its request is already on its way to the engine (the key's limits
-        need Redis, and the last time this process asked, Redis admitted it); a claim holds until `end_beside`, so one
-        such admission of a key runs at a time."""
-        ...
-
-    def end_beside(self, key: LimitedKey) -> None:
-        """The admission `claim_beside` allowed has ended, however it ended."""
-        ...
-
-    async def acquire(self, key: LimitedKey, estimated_tokens: int, api: str = "other") -> Lease:
-        """A lease, or RateLimitError naming the exhausted limit (429, Retry-After, x-ratelimit-* headers);
-        a spent token budget is QuotaExceededError (429 `insufficient_quota`, Retry-After to the window's end)."""
-        ...
-
-    async def release(
-        self, lease: Lease, used_tokens: int | None = None, detail: TokenDetail | None = None, *, served: bool = True
-    ) -> None:
-        """Reconcile tokens (None keeps the estimate), free the slot and record usage; safe in `finally`. A request
-        not `served` (it never reached the engine) costs the key nothing: its request is given back as well."""
-        ...
 
 
 def format_reset(milliseconds: int) -> str:
@@ -164,9 +120,13 @@ def rate_headers(kind: str, limit: int, window_ms: int, used: int) -> dict[str, 
 
 
 def rate_limit_error(
-    message: str, retry_after_ms: int, headers: dict[str, str], limit: str = "requests"
+    message: str,
+    retry_after_ms: int,
+    headers: dict[str, str],
+    limit: str = "requests",
+    kind: type[RateLimitError] = RateLimitError,
 ) -> RateLimitError:
-    """A 429 whose `retry_after` is exact; `Retry-After` is rounded up to whole seconds and
-    `retry-after-ms` (read first by the OpenAI SDKs) keeps the precision."""
+    """A 429 (of class `kind`) whose `retry_after` is exact; `Retry-After` is rounded up to whole seconds and
+    `retry-after-ms` (read first by both SDKs) keeps the precision."""
     merged = {"retry-after-ms": str(max(retry_after_ms, 0)), **headers}
-    return RateLimitError(message, retry_after=retry_after_ms / 1000, headers=merged, limit=limit)
+    return kind(message, retry_after=retry_after_ms / 1000, headers=merged, limit=limit)

@@ -9,6 +9,8 @@ import pytest
 
 from gateway import errors
 from gateway.errors import (
+    SHOULD_RETRY,
+    AddressBlockedError,
     AuthenticationError,
     EngineBusyError,
     EngineConnectionLostError,
@@ -31,6 +33,7 @@ from gateway.errors import (
     QuotaExceededError,
     RateLimitError,
     RequestHeadTooLargeError,
+    RequestOverLimitError,
     RequestTimeoutError,
     RequestTooLargeError,
     ResponseNotFoundError,
@@ -58,6 +61,8 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),
     RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),
     QuotaExceededError: (429, "insufficient_quota", "insufficient_quota"),
+    AddressBlockedError: (429, "rate_limit_error", "rate_limit_exceeded"),
+    RequestOverLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),
     EngineQueueFullError: (429, "rate_limit_error", "engine_queue_full"),
     EngineBusyError: (503, "service_unavailable", "engine_busy"),
     ServiceUnavailableError: (503, "service_unavailable", "service_unavailable"),
@@ -72,6 +77,8 @@ EXPECTED: dict[type[GatewayError], tuple[int, str, str | None]] = {
 }
 RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
     QuotaExceededError,
+    AddressBlockedError,
+    RequestOverLimitError,
     RateLimitError,
     EngineQueueFullError,
     EngineBusyError,
@@ -86,6 +93,8 @@ RETRYABLE: list[type[RateLimitError] | type[ServiceUnavailableError]] = [
     EngineTimeoutError,
 ]
 NOT_RETRYABLE = [cls for cls in EXPECTED if cls not in RETRYABLE]
+# Refusals a retry does not cure soon: both SDKs are told not to retry them on their own.
+SDK_MUST_NOT_RETRY = {QuotaExceededError, AddressBlockedError, RequestOverLimitError, EngineCredentialsError}
 
 
 def test_every_public_error_class_is_covered() -> None:
@@ -153,8 +162,18 @@ def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one(
     cls: type[RateLimitError] | type[ServiceUnavailableError], retry_after: float, header: str
 ) -> None:
     error = cls("retry later", retry_after=retry_after)
-    assert error.headers == {"Retry-After": header}
+    assert error.headers["Retry-After"] == header
     assert error.retry_after == retry_after
+
+
+@pytest.mark.parametrize("cls", RETRYABLE, ids=lambda c: c.__name__)
+def test_refusals_a_retry_cannot_cure_soon_tell_the_sdks_not_to_retry(
+    cls: type[RateLimitError] | type[ServiceUnavailableError],
+) -> None:
+    error = cls("retry later", retry_after=57_600)
+    assert error.headers["Retry-After"] == "57600"  # the honest wait stays, for clients that schedule
+    expected = {SHOULD_RETRY: "false"} if cls in SDK_MUST_NOT_RETRY else {}
+    assert {k: v for k, v in error.headers.items() if k != "Retry-After"} == expected
 
 
 @pytest.mark.parametrize("cls", RETRYABLE, ids=lambda c: c.__name__)
@@ -190,7 +209,7 @@ def test_headers_are_copied_not_shared() -> None:
         (RequestTooLargeError("big"), "request_too_large"),
         (RateLimitError("slow", retry_after=3), "rate_limit_error"),
         (EngineUnavailableError("down"), "overloaded_error"),
-        (EngineTimeoutError("late"), "api_error"),
+        (EngineTimeoutError("late"), "timeout_error"),
         (InternalError("oops"), "api_error"),
     ],
 )
