@@ -3,7 +3,8 @@ usage by day and API (`usage`) and the trail of changes to them (`audit`).
 
 Talks to Redis directly with the server's settings. A new secret is printed alone on the last line of
 stdout (for scripts: `| tail -n1`) and nowhere else. Exit codes: 0 done, 1 failed, 2 bad usage.
-Reads usage through `gateway.ratelimit`, which owns the counters it writes when requests end.
+Reads usage through `gateway.usage`, the counters the rate limiter writes when requests end (never through
+`gateway.ratelimit`: a `keys` verb loads no limiter).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import orjson
 from gateway.auth.keys import ApiKey, KeyExistsError, KeyLimits, KeyNotFoundError, KeyRevokedError
 from gateway.auth.store import KeyStore
 from gateway.errors import GatewayError, InvalidRequestError, KeyStoreUnavailableError
-from gateway.ratelimit import RedisRateLimiter, Usage
 from gateway.redis import close_redis, connect_redis
 from gateway.settings import Settings
+from gateway.usage import Usage, UsageReader
 
 _DURATION_PART = re.compile(r"(\d+)([smhdw])")
 _DURATION = re.compile(r"(?:\d+[smhdw])+")
@@ -143,14 +144,14 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
     redis = connect_redis(settings)
     try:
         store = KeyStore(redis, settings, operator=getattr(args, "operator", None))
-        limiter = RedisRateLimiter(redis, settings)
+        reader = UsageReader(redis, settings)
         verb: str = args.keys_verb
         if verb == "create":
             await _create(store, args)
         elif verb == "list":
-            await _list(store, limiter, settings, as_json=args.json)
+            await _list(store, reader, settings, as_json=args.json)
         elif verb == "show":
-            await _show(store, limiter, settings, args.name, as_json=args.json)
+            await _show(store, reader, settings, args.name, as_json=args.json)
         elif verb == "revoke":
             await store.revoke(args.name)
             _out(f"Revoked API key '{args.name}'; it stops working on every gateway within a second.")
@@ -162,9 +163,9 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
             _out(f"Rotated API key '{args.name}'; the old secret no longer works. New secret (shown once):")
             _out(secret)
         elif verb == "set":
-            await _set(store, limiter, args)
+            await _set(store, reader, args)
         elif verb == "usage":
-            await _usage(store, limiter, args)
+            await _usage(store, reader, args)
         elif verb == "audit":
             await _audit(store, args)
         else:
@@ -193,7 +194,7 @@ async def _create(store: KeyStore, args: argparse.Namespace) -> None:
     _out(secret)
 
 
-async def _set(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Namespace) -> None:
+async def _set(store: KeyStore, reader: UsageReader, args: argparse.Namespace) -> None:
     changes_limits = any(hasattr(args, flag) for flag, _, _ in _LIMIT_FLAGS)
     changes_limits = changes_limits or any(hasattr(args, flag) for flag, _, _, _ in _BUDGET_FLAGS)
     models: list[str] | None = getattr(args, "models", None)
@@ -214,7 +215,7 @@ async def _set(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Namesp
             monthly_tokens=getattr(args, "monthly_tokens", own.monthly_tokens),
         )
         if not args.force:
-            await _check_budgets_above_use(limiter, args)
+            await _check_budgets_above_use(reader, args)
     if limits is not None or models is not None:
         everything = models == [_ALL_MODELS]
         await store.set_limits(args.name, limits, None if everything else models, all_models=everything)
@@ -225,9 +226,9 @@ async def _set(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Namesp
     _out(f"Updated API key '{args.name}'; every gateway applies it within a second.")
 
 
-async def _list(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, *, as_json: bool) -> None:
+async def _list(store: KeyStore, reader: UsageReader, settings: Settings, *, as_json: bool) -> None:
     keys = await store.list()
-    usage = await limiter.usage([key.name for key in keys])
+    usage = await reader.usage([key.name for key in keys])
     rows = [_describe(key, usage[key.name], settings) for key in keys]
     if as_json:
         _out(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
@@ -254,10 +255,10 @@ async def _list(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, 
         _out("* server default (NEMOTRON_LIMITS__*)")
 
 
-async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, name: str, *, as_json: bool) -> None:
+async def _show(store: KeyStore, reader: UsageReader, settings: Settings, name: str, *, as_json: bool) -> None:
     key = await store.get(name)
-    row = _describe(key, (await limiter.usage([key.name]))[key.name], settings)
-    budget = await limiter.budget_usage(key.name)
+    row = _describe(key, (await reader.usage([key.name]))[key.name], settings)
+    budget = await reader.budget_usage(key.name)
     row["budget_used"] = {"day": budget.day, "month": budget.month}
     if as_json:
         _out(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode())
@@ -284,9 +285,9 @@ async def _show(store: KeyStore, limiter: RedisRateLimiter, settings: Settings, 
         _out("* server default (NEMOTRON_LIMITS__*)")
 
 
-async def _check_budgets_above_use(limiter: RedisRateLimiter, args: argparse.Namespace) -> None:
+async def _check_budgets_above_use(reader: UsageReader, args: argparse.Namespace) -> None:
     """InvalidRequestError when a new budget is below what the key already used in its current window."""
-    used = await limiter.budget_usage(args.name)
+    used = await reader.budget_usage(args.name)
     for flag, _, window, field in _BUDGET_FLAGS:
         budget: int | None = getattr(args, flag, None)
         spent: int = getattr(used, field)
@@ -297,7 +298,7 @@ async def _check_budgets_above_use(limiter: RedisRateLimiter, args: argparse.Nam
             )
 
 
-async def _usage(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Namespace) -> None:
+async def _usage(store: KeyStore, reader: UsageReader, args: argparse.Namespace) -> None:
     names = [(await store.get(args.name)).name] if args.name else [key.name for key in await store.list()]
     today = datetime.now(UTC).date()
     since: date = args.since or today - timedelta(days=30)
@@ -305,7 +306,7 @@ async def _usage(store: KeyStore, limiter: RedisRateLimiter, args: argparse.Name
         raise InvalidRequestError(f"--since {since.isoformat()} is in the future (today is {today.isoformat()}, UTC)")
     rows = [
         {"key": row.name, "day": row.day.isoformat(), "api": row.api, **{f: getattr(row, f) for f in _USAGE_FIELDS}}
-        for row in await limiter.usage_by_api(names, since)
+        for row in await reader.usage_by_api(names, since)
     ]
     if args.json:
         _out(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())

@@ -1,19 +1,19 @@
 """Per-key requests/min, tokens/min, concurrency and token budgets, held across processes in Redis (a request holds
-them through one `RequestLease`); the failed-auth guard; admission before the engine's queue."""
+them through one `RequestLease`); the failed-auth guard; admission before the engine's queue. The usage records are
+gateway.usage's (re-exported here), which the `keys` CLI reads without this package."""
 
 from gateway.ratelimit.admission import EngineAdmission
 from gateway.ratelimit.guard import FailedAuthGuard
 from gateway.ratelimit.lease import RequestLease
 from gateway.ratelimit.limiter import (
-    BudgetWindows,
     EffectiveLimits,
     Lease,
     LimitedKey,
-    RateLimiter,
     TokenDetail,
     format_reset,
 )
-from gateway.ratelimit.redis import ApiUsage, BudgetUsage, RedisRateLimiter, Usage
+from gateway.ratelimit.redis import RedisRateLimiter
+from gateway.usage import ApiUsage, BudgetUsage, BudgetWindows, Usage
 
 __all__ = [
     "ApiUsage",
@@ -24,7 +24,6 @@ __all__ = [
     "FailedAuthGuard",
     "Lease",
     "LimitedKey",
-    "RateLimiter",
     "RedisRateLimiter",
     "RequestLease",
     "TokenDetail",

@@ -10,9 +10,9 @@ background) is the limiter's (`ratelimit/redis.py`): the lease is the one object
 three calls to the limiter.
 
 A key this process admitted last time may be admitted beside its request (`acquire_beside`, see
-`RateLimiter.claim_beside`): the request goes on to the engine while Redis decides, and the exchange holds the answer
-back until it has. A release that comes before that admission has ended waits for it, so nothing it took stays
-held. Imports the limiter's protocol and the request record.
+`RedisRateLimiter.claim_beside`): the request goes on to the engine while Redis decides, and the exchange holds the
+answer back until it has. A release that comes before that admission has ended waits for it, so nothing it took stays
+held. Imports the limiter and its types, and the request record.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from gateway.ratelimit.limiter import Lease, LimitedKey, RateLimiter, TokenDetail
+from gateway.ratelimit.limiter import Lease, LimitedKey, TokenDetail
+from gateway.ratelimit.redis import RedisRateLimiter
 from gateway.request_record import RequestRecord
 
 # Releases left to finish after their request's task was cancelled (a reference each until done).
@@ -39,7 +40,7 @@ class RequestLease:
 
     __slots__ = ("_acquiring", "_api", "_held", "_key", "_limiter")
 
-    def __init__(self, limiter: RateLimiter, key: LimitedKey, api: str) -> None:
+    def __init__(self, limiter: RedisRateLimiter, key: LimitedKey, api: str) -> None:
         self._limiter = limiter
         self._key = key
         self._api = api  # the route's API label (chat, responses, ...), for usage by API
@@ -58,7 +59,7 @@ class RequestLease:
 
     def acquire_beside(self, estimated_tokens: int) -> asyncio.Task[None] | None:
         """`acquire` in a task of its own, to run while the request is already on its way to the engine (the task
-        raises the refusal); None when the key's admission must come first (`RateLimiter.claim_beside`)."""
+        raises the refusal); None when the key's admission must come first (`RedisRateLimiter.claim_beside`)."""
         if not self._limiter.claim_beside(self._key):
             return None
         acquiring = self._acquiring = asyncio.create_task(self.acquire(estimated_tokens))

@@ -438,6 +438,29 @@ def test_only_the_uvicorn_internals_module_imports_uvicorns_protocols_or_server(
     assert not violations, _report(violations)
 
 
+def test_auth_never_imports_the_rate_limiter() -> None:
+    """Keys and limits are sibling services: the `keys` CLI reads usage through gateway.usage, below both."""
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if _in(i.file, ("gateway/auth/",)) and _is_within(i.module, ("gateway.ratelimit",))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_only_the_redis_boundary_reaches_into_redis_py() -> None:
+    """redis-py below its client and its exceptions (connections, parsers, scripts) is used in gateway/redis/ alone,
+    whose declaration tests/unit/test_library_internals.py checks against the installed redis-py."""
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if not _in(i.file, ("gateway/redis/",))
+        and _is_within(i.module, ("redis",))
+        and i.module not in ("redis.asyncio", "redis.exceptions")
+    ]
+    assert not violations, _report(violations)
+
+
 def test_only_the_engine_client_speaks_http_to_the_engine() -> None:
     """One HTTP client on the relay path (relay/http1.py, httptools' response parser): no gateway module imports
     aiohttp, and none but http1.py parses HTTP answers."""
