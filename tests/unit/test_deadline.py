@@ -5,25 +5,25 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-import time
 import weakref
 
 import pytest
 import uvloop
 
 from gateway.deadline import deadline
+from tests.clock import virtual_time
 
 pytestmark = pytest.mark.timeout(30)
 
 
+@virtual_time
 async def test_a_late_block_raises_timeout_error_at_its_deadline() -> None:
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(TimeoutError):
         async with deadline(0.1) as block:
             await asyncio.sleep(5)
-    elapsed = loop.time() - started
-    assert 0.09 <= elapsed < 1.0
+    assert loop.time() - started == pytest.approx(0.1)  # the loop's virtual clock: exactly when it was due
     assert block.expired()
 
 
@@ -73,6 +73,7 @@ async def test_a_cancel_from_elsewhere_at_the_deadline_is_not_turned_into_a_time
         await task
 
 
+@virtual_time
 async def test_an_earlier_deadline_inside_a_later_one_fires_first() -> None:
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -82,10 +83,11 @@ async def test_an_earlier_deadline_inside_a_later_one_fires_first() -> None:
                 await asyncio.sleep(10)
         inner_done = loop.time() - started
         await asyncio.sleep(0.01)  # the outer block goes on, uncancelled
-    assert inner_done < 1.0
+    assert inner_done == pytest.approx(0.05)
     assert not outer.expired()
 
 
+@virtual_time
 async def test_many_blocks_each_end_at_their_own_deadline() -> None:
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -107,7 +109,7 @@ async def test_many_blocks_each_end_at_their_own_deadline() -> None:
             assert ended[index] is None, index
         else:
             fired = ended[index]
-            assert fired is not None and delay - 0.01 <= fired < delay + 0.5, (index, fired)
+            assert fired == pytest.approx(delay), (index, fired)
 
 
 async def test_asyncio_timeout_outside_a_deadline_still_wins_its_own_race() -> None:
@@ -119,21 +121,26 @@ async def test_asyncio_timeout_outside_a_deadline_still_wins_its_own_race() -> N
 
 
 def test_deadlines_of_two_loops_in_two_threads_keep_apart() -> None:
+    # Real loops on the real clock, at once. Each block must end at its own deadline, on its own loop: never
+    # before it (read on that loop's clock, which the deadline is set on), and the asyncio block before its work
+    # ends at 0.29 s, which only its own timer ensures (due first, it runs first however late the loop turns).
+    # Had it waited for uvloop's timer (0.3 s), the work would end first and no TimeoutError would come.
     results: dict[str, float] = {}
 
-    async def timed(name: str, delay: float) -> None:
-        started = time.monotonic()
+    async def timed(name: str, delay: float, works_for: float) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         with pytest.raises(TimeoutError):
             async with deadline(delay):
-                await asyncio.sleep(10)
-        results[name] = time.monotonic() - started
+                await asyncio.sleep(works_for)
+        results[name] = loop.time() - started
 
-    other = threading.Thread(target=lambda: uvloop.run(timed("uvloop", 0.3)))
+    other = threading.Thread(target=lambda: uvloop.run(timed("uvloop", 0.3, 10)))
     other.start()
-    asyncio.run(timed("asyncio", 0.1))
-    other.join(10)
-    assert 0.09 <= results["asyncio"] < 0.29
-    assert 0.29 <= results["uvloop"] < 1.5
+    asyncio.run(timed("asyncio", 0.1, 0.29))
+    other.join(30)
+    assert results["asyncio"] >= 0.1 - 0.002
+    assert results["uvloop"] >= 0.3 - 0.002  # libuv's clock counts milliseconds
 
 
 async def test_outside_a_task_it_says_so() -> None:

@@ -11,7 +11,6 @@ import asyncio
 import gc
 import signal
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,8 @@ from gateway.app import create_app
 from gateway.client_limits import ClientLimits
 from gateway.routes.health import ready
 from gateway.settings import Settings
-from gateway.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
+from gateway.uvicorn_internals import _DRAIN_IDLE, DrainingServer, GuardedHttpToolsProtocol, ServerConfig
+from tests.clock import virtual_time
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -68,6 +68,7 @@ async def test_a_stop_signal_turns_ready_into_503_draining() -> None:
     assert (status, body) == (503, {"status": "draining", "draining": True, **_OK})
 
 
+@virtual_time
 async def test_the_idle_server_loop_ticks_once_a_second_and_a_stop_signal_ends_it_at_once() -> None:
     settings = Settings()
     server = DrainingServer(ServerConfig(create_app(settings), limits=ClientLimits.from_settings(settings)))
@@ -82,16 +83,17 @@ async def test_the_idle_server_loop_ticks_once_a_second_and_a_stop_signal_ends_i
     server.on_tick = counted  # type: ignore[method-assign]  # counting what the loop does while idle
     server.config.load()  # what uvicorn's startup does first: on_tick reads the encoded headers
     server.server_state = uvicorn.server.ServerState()
+    loop = asyncio.get_running_loop()
     loop_task = asyncio.create_task(server.main_loop())
-    await asyncio.sleep(1.5)
-    # uvicorn's own loop ticks ten times a second (16 here); this one once a second, for the Date header.
-    assert 1 <= ticks <= 3, ticks
+    await asyncio.sleep(1.5)  # on the loop's virtual clock: exactly 1.5 s of loop time, however busy the machine
+    # uvicorn's own loop ticks ten times a second (16 here); this one once a second, for the Date header: at 0 and 1.
+    assert ticks == 2, ticks
     assert server.server_state.default_headers[0][0] == b"date"
-    stopped_at = time.monotonic()
+    stopped_at = loop.time()
     server.handle_exit(signal.SIGTERM, None)
     await asyncio.wait_for(loop_task, 5)
-    # At once, not at the next tick (a second away at most): the signal wakes the loop.
-    assert time.monotonic() - stopped_at < 0.5
+    # At once, not at the next tick (half a second of loop time away): the signal wakes the loop.
+    assert loop.time() == stopped_at
 
 
 @pytest.mark.parametrize("serving", [True, False], ids=["serving", "test"])
@@ -133,17 +135,20 @@ async def _accepted_after_the_stop_signal() -> tuple[asyncio.StreamReader, async
 
 
 @pytest.mark.parametrize("silent", [False, True])
+@virtual_time
 async def test_a_connection_made_after_the_stop_signal_is_answered_once_and_closed(silent: bool) -> None:
     # Kept alive, it would carry requests until the grace ran out and the process ended under one of them.
     reader, writer = await _accepted_after_the_stop_signal()
     try:
         if not silent:
             writer.write(b"GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n")
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: the server closes the connection
         if silent:
             assert answer == b""
-            assert 0.5 < time.monotonic() - started < 3
+            # On the loop's virtual clock: after the linger for a request on its way, at once when it ends.
+            assert loop.time() - started == pytest.approx(_DRAIN_IDLE)
         else:
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 200")

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import pytest
@@ -74,22 +73,21 @@ def test_a_process_that_left_the_group_holding_the_output_does_not_hang_the_end(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # vLLM's command exits, leaving a helper in a session of its own (out of the group its reaper tears down)
-    # that still holds the output pipe: the engine's end is reported, not held up until the helper ends.
-    script = "import subprocess; print(subprocess.Popen(['sleep', '60'], start_new_session=True).pid, flush=True)"
+    # that still holds the output pipe: the engine's end is reported, not held up until the helper ends. The helper
+    # outlives the test's own timeout, so an end that waited for it could not come at all.
+    script = "import subprocess; print(subprocess.Popen(['sleep', '600'], start_new_session=True).pid, flush=True)"
     process = GuardedProcess([sys.executable, "-c", script], env=dict(os.environ), grace=1.0)
 
-    async def run() -> tuple[int, float]:
+    async def run() -> int:
         await process.start()
-        started = time.monotonic()
-        code = await asyncio.wait_for(process.wait(), 10)
-        return code, time.monotonic() - started
+        return await process.wait()
 
     try:
-        code, took = asyncio.run(run())
+        code = asyncio.run(run())
     finally:
         helpers = [int(line) for line in process.tail if line.isdigit()]
         for pid in helpers:
             os.kill(pid, signal.SIGKILL)
     assert helpers, list(process.tail)
-    assert code == 0 and took < 6, took
+    assert code == 0
     assert "engine output still open" in caplog.text

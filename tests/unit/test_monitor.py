@@ -164,15 +164,18 @@ async def test_a_failing_generation_probe_while_chunks_flow_changes_nothing(rig:
     assert rig.engine.aborted == []
 
 
-async def test_busy_engine_without_progress_is_stuck_after_the_stall_timeout_and_its_requests_end(rig: Rig) -> None:
+async def test_busy_engine_without_progress_is_stuck_after_the_stall_timeout_and_its_requests_end(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
     rig.engine.generation_delay = 5.0
     waiting = Waiting(rig.engine)
     rig.activity.begin(waiting)
     rig.activity.progress()
-    loop = asyncio.get_running_loop()
-    started = loop.time()
     await async_wait_until(lambda: rig.monitor.ready_reason() == NOT_GENERATING, within=10)
-    assert loop.time() - started >= 1.0, "not before the stall timeout while requests are in flight"
+    # Not before the stall timeout while requests are in flight: the quiet the monitor judged on, as it logged it
+    # (its own clock, read when it decided; the test's reading of the time would race a busy machine).
+    judged = [r.args for r in caplog.records if r.getMessage().startswith("engine is not generating: no progress")]
+    assert judged and all(isinstance(a, tuple) and a[0] >= 1.0 for a in judged), judged
     assert rig.engine.aborted == ["ended"]
     assert rig.activity.in_flight == 0
 

@@ -21,6 +21,7 @@ from gateway.relay.sse import KEEP_ALIVE, SSERelay
 from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import RelaySettings
 from gateway.types import Message
+from tests.clock import virtual_time
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -275,13 +276,13 @@ async def test_heartbeat_fills_silence_before_the_first_data() -> None:
     assert h.record.engine_error is None
 
 
+@virtual_time
 async def test_silent_engine_is_cut_at_chunk_timeout_with_engine_timeout_event() -> None:
     h = Harness([delta("a")], heartbeat_interval=0.05, chunk_timeout=0.2)
     loop = asyncio.get_running_loop()
     started = loop.time()
     await h.run()
-    elapsed = loop.time() - started
-    assert 0.15 <= elapsed < 1.0
+    assert loop.time() - started == pytest.approx(0.2)  # the loop's virtual clock: at the chunk timeout exactly
     bodies = h.client.bodies
     assert bodies[0]["body"] == delta("a")
     assert KEEP_ALIVE in [m["body"] for m in bodies[1:-1]]
