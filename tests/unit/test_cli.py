@@ -37,11 +37,11 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
-def loaded_after(*argv: str) -> list[str]:
-    """Which of WEB_STACK a fresh interpreter has loaded after parsing `argv` and importing the verb's module."""
+def loaded_after(*argv: str, modules: list[str] = WEB_STACK) -> list[str]:
+    """Which of `modules` a fresh interpreter has loaded after parsing `argv` and importing the verb's module."""
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, *argv],
-        input=json.dumps(WEB_STACK),
+        input=json.dumps(modules),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -55,6 +55,10 @@ def loaded_after(*argv: str) -> list[str]:
 @pytest.mark.parametrize("argv", [["keys", "list"], ["engine", "status"], ["doctor"]])
 def test_verbs_without_the_web_app_do_not_import_it(argv: list[str]) -> None:
     assert loaded_after(*argv) == []
+
+
+def test_keys_usage_reads_usage_without_loading_the_rate_limiter() -> None:
+    assert loaded_after("keys", "usage", modules=["gateway.ratelimit", "gateway.usage"]) == ["gateway.usage"]
 
 
 def test_serve_does_import_the_web_app() -> None:
