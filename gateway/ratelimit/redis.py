@@ -110,7 +110,7 @@ _lease_id = _LeaseIds()
 
 
 class RedisRateLimiter:
-    """The RateLimiter shared by every gateway process through Redis.
+    """The rate limiter shared by every gateway process through Redis: admission, release and lease renewal.
 
     `start()` runs one task that renews this process's live concurrency slots (pipelined); a slot that is
     not renewed, because its process died, expires after `limits.lease_ttl`.
