@@ -234,10 +234,9 @@ def test_the_gpu_checker_script_passes_against_the_cpu_engine(stack: Stack) -> N
     assert report["messages_stream"]["events"][-1] == "message_stop"
 
 
-def test_the_readmes_snippets_run_as_printed(stack: Stack) -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.split("## Responses and Messages APIs", 1)[1].split("\n## ", 1)[0]
-    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+def test_the_docs_snippets_run_as_printed(stack: Stack) -> None:
+    page = (REPO_ROOT / "docs" / "api" / "responses-messages.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", page, re.S)
     assert len(snippets) == 2
     for snippet in snippets:
         done = subprocess.run(
