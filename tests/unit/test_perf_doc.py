@@ -85,3 +85,30 @@ def _soak(requests: int) -> dict[str, object]:
         "fd_growth": 0,
         "passed": True,
     }
+
+
+def test_an_overhead_report_becomes_the_tables_row() -> None:
+    entry = {"gateway_cpu_ms_per_request": 0.6, "gateway_run_queue_wait": 0.01}
+    report = {
+        "revision": "abc1234",
+        "options": {"lean": False},
+        "summary": {
+            "non-stream c=1": entry,
+            "non-stream c=32": {**entry, "gateway_cpu_ms_per_request": 0.3, "gateway_run_queue_wait": 0.02},
+            "targets": {
+                "gateway_cpu_ms_per_request": [0.3, 1.0, True],
+                "gateway_rps_saturation": [3300.0, 1500.0, True],
+                "added_p50_ms_c1": [0.9, 1.0, True],
+                "gateway_cpu_us_per_chunk_slope": [11.0, 25.0, True],
+                "nginx_cpu_us_per_chunk_slope": [8.0, None, None],
+                "gateway_vs_nginx_per_chunk": [1.3, 1.5, True],
+                "gateway_vs_nginx_per_chunk_of_medians": [1.4, None, None],
+            },
+        },
+    }
+    config = summary.overhead_config("default settings", report)
+    assert config["cpu_ms_per_request_c1"] == 0.6 and config["waited_for_cpu"] == 0.02
+    table = perf_doc.render(
+        summary.summary("overhead", "abc1234", "2030-01-01", "make bench", "", {"configs": [config]})
+    )
+    assert "| default settings | 0.300 | 3,300 | 0.600 (0.900) | 11.0 (8.0; 1.30\u00d7) | 2 % |" in table
