@@ -55,7 +55,8 @@ async def _on_unexpected_error(request: Request, exc: Exception) -> Response:
 
 class _Dispatcher:
     """Every request against the route table: the relayed APIs to the one relay handler and the stored-response
-    routes to theirs, the other served routes to FastAPI, anything else a 404 or 405 in OpenAI's envelope.
+    routes to theirs, the other served routes to FastAPI, anything else a 404 or 405 (in the envelope of the API
+    whose path it lies under, else OpenAI's).
 
     Starlette's routing layers cost ~14% of the gateway's CPU per request (loadtest profile); the hot routes
     skip them. Their errors come in the row's envelope (OpenAI's, or Anthropic's on the Messages routes); the
@@ -73,7 +74,9 @@ class _Dispatcher:
             return
         route = self.table.find(scope["method"], scope["path"])
         if route is None:
-            await _error_response(self.table.refusal(scope["method"], scope["path"]))(scope, receive, send)
+            refusal = self.table.refusal(scope["method"], scope["path"])
+            body = self.table.render_refusal(scope["path"], refusal)
+            await _error_response(refusal, body)(scope, receive, send)
             return
         record = scope["state"]["record"]
         record.route, record.api = route.path, route.api

@@ -241,24 +241,3 @@ class EngineClient:
                     return response.status
                 finally:
                     response.close()
-
-
-def engine_error_body(status: int, body: bytes) -> bytes:
-    """An engine's error answer in OpenAI's envelope: kept when it already is one, else wrapped."""
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        parsed = None
-    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and "message" in parsed["error"]:
-        return body
-    detail = body.decode("utf-8", "replace").strip()[:300] or "no details"
-    return orjson.dumps(
-        {
-            "error": {
-                "message": f"The model engine answered HTTP {status}: {detail}",
-                "type": "engine_error",
-                "param": None,
-                "code": status,
-            }
-        }
-    )

@@ -37,7 +37,6 @@ from gateway.relay.client import (
     ENGINE_KEY_REFUSED,
     EngineClient,
     UpstreamResponse,
-    engine_error_body,
 )
 from gateway.relay.disconnect import ClientDisconnectedError, DisconnectWatch, run_until_disconnect
 from gateway.relay.monitor import EngineMonitor
@@ -289,7 +288,7 @@ class EngineRelay:
                 )
             if upstream.status >= 500 and ENGINE_DEAD in (answer or b""):
                 raise EngineUnavailableError(ENGINE_DEAD_MESSAGE, retry_after=self._settings.retry_after)
-            error_body = engine_error_body(upstream.status, answer or b"")
+            error_body = shape.engine_error_body(upstream.status, answer or b"")
             return BufferedAnswer(upstream.status, error_body, "application/json", headers)
         if answer is not None:
             return await self._answered(upstream, answer, record, headers, settlement)

@@ -2,18 +2,20 @@
 
 Chat and text completions end a stream with `data: [DONE]` and carry errors in OpenAI's envelope; the
 Responses API ends with a terminal `response.*` event and reports a failure as an `event: error`; the
-Anthropic Messages API ends with `message_stop` and speaks Anthropic's error envelope. A route declares its
-shape (gateway/routes/table.py); the relay and the dispatcher read it. Imports errors only.
+Anthropic Messages API ends with `message_stop` and speaks Anthropic's error envelope, the engine's error answers
+included. A route declares its shape (gateway/routes/table.py); the relay and the dispatcher read it. Imports errors
+only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, anthropic_error_type
 
 _DONE = b"data: [DONE]"
 
@@ -36,6 +38,46 @@ def _anthropic_event(error: GatewayError) -> bytes:
     return b"event: error\ndata: " + error.to_anthropic_json() + b"\n\n"
 
 
+def _parsed(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _engine_message(status: int, body: bytes, parsed: Any) -> str:
+    """What the engine said: the message of its envelope (OpenAI's or Anthropic's, both `error.message`), its bare
+    `error` or FastAPI `detail` string, else its text."""
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        for said in (error, parsed.get("detail")):
+            if isinstance(said, str) and said:
+                return f"The model engine answered HTTP {status}: {said[:300]}"
+    detail = body.decode("utf-8", "replace").strip()[:300] or "no details"
+    return f"The model engine answered HTTP {status}: {detail}"
+
+
+def _engine_openai_body(status: int, body: bytes) -> bytes:
+    """The engine's error answer in OpenAI's envelope: kept when it already is one (not Anthropic's, which has a
+    top-level `type`), else wrapped."""
+    parsed = _parsed(body)
+    if isinstance(parsed, dict) and "type" not in parsed and isinstance(parsed.get("error"), dict):
+        if "message" in parsed["error"]:
+            return body
+    message = _engine_message(status, body, parsed)
+    return orjson.dumps({"error": {"message": message, "type": "engine_error", "param": None, "code": status}})
+
+
+def _engine_anthropic_body(status: int, body: bytes) -> bytes:
+    """The engine's error answer in Anthropic's envelope, its `type` Anthropic's for the status: vLLM's own
+    Anthropic answers name a Python exception there, and its request validation answers OpenAI's envelope on every
+    path, /v1/messages included."""
+    message = _engine_message(status, body, _parsed(body))
+    return orjson.dumps({"type": "error", "error": {"type": anthropic_error_type(status), "message": message}})
+
+
 @dataclass(frozen=True, slots=True)
 class WireShape:
     """What differs between the relayed APIs on the wire; `api` names the API in metrics and the access log."""
@@ -48,6 +90,8 @@ class WireShape:
     error_body: Callable[[GatewayError], bytes]
     # Whether the gateway added a usage-only chunk the client did not ask for (chat's `stream_options`).
     strips_usage: bool = False
+    # The engine's error answer (its status and body, whatever their envelope) in this API's envelope.
+    engine_error_body: Callable[[int, bytes], bytes] = _engine_openai_body
 
     def ends(self, chunk: bytes) -> bool:
         """Whether `chunk` finishes the stream."""
@@ -73,4 +117,10 @@ RESPONSES = WireShape(
     _responses_event,
     _openai_body,
 )
-MESSAGES = WireShape("messages", (b'"type":"message_stop"', b'"type":"error"'), _anthropic_event, _anthropic_body)
+MESSAGES = WireShape(
+    "messages",
+    (b'"type":"message_stop"', b'"type":"error"'),
+    _anthropic_event,
+    _anthropic_body,
+    engine_error_body=_engine_anthropic_body,
+)

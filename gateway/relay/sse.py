@@ -310,8 +310,6 @@ class SSERelay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
             alarm.close()
-        if carry:
-            await send({"type": "http.response.body", "body": carry, "more_body": True})
         if not self._saw_done:
             await self._fail(
                 send,
@@ -319,14 +317,19 @@ class SSERelay:
                 EngineUnavailableError(
                     "The model engine ended the stream without finishing it; the answer is incomplete."
                 ),
+            # A line the engine cut off is not relayed (no client can parse half of it): the error event starts on a
+            # line of its own, after a blank line that ends whatever event the engine left open.
             )
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _silence_error(self, fired: str | None) -> tuple[EngineErrorKind, GatewayError]:
         if fired == "frozen":
+                lead=b"\n" if carry else b"",
             return EngineErrorKind.FROZEN, EngineUnavailableError(
                 "The model engine stopped generating; the stream was ended and the answer is incomplete.",
+        if carry:
+            await send({"type": "http.response.body", "body": carry, "more_body": True})
                 retry_after=self._settings.retry_after,
             )
         return EngineErrorKind.TIMEOUT, EngineTimeoutError(
@@ -364,8 +367,9 @@ class SSERelay:
             kept.append(line)
         return b"\n".join(kept)
 
-    async def _fail(self, send: Send, kind: EngineErrorKind, error: GatewayError) -> None:
+    async def _fail(self, send: Send, kind: EngineErrorKind, error: GatewayError, lead: bytes = b"") -> None:
         # Counted by whoever settles the exchange (`settlement`), from the record: one place for every kind.
         self._record.engine_error = kind
         logger.warning("stream %s ended early: %s", self._record.request_id, error.message)
-        await send({"type": "http.response.body", "body": self._shape.error_event(error), "more_body": False})
+        body = lead + self._shape.error_event(error)
+        await send({"type": "http.response.body", "body": body, "more_body": False})

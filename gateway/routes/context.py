@@ -30,12 +30,14 @@ def get_record(request: Request) -> RequestRecord:
 
 def bearer_token(request: Request) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, else of an `x-api-key` header (what Anthropic's SDK
-    sends), or None."""
+    sends), or None. A Bearer token wins; an Authorization of another scheme (a proxy's or a browser's `Basic`)
+    is not the gateway's and does not hide an `x-api-key`."""
     header = request.headers.get("authorization")
-    if header is None:
-        return request.headers.get("x-api-key", "").strip() or None
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if header is not None:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 async def require_api_key(request: Request, services: Services) -> ApiKey | None:

@@ -49,16 +49,34 @@ async def _read_body(request: Request, limit: int) -> bytes:
 AfterAdmit = Callable[[Request, ApiKey | None, PreparedRequest, RequestRecord], Awaitable[AfterSettle | None]]
 
 
+# vLLM's header for a request's priority (0.32: read before the body's `priority` by every generating route, and
+# the only way to give one to its Messages API, whose request model has no `priority` field).
+PRIORITY_HEADER = "X-Vllm-Priority"
+
+
 @dataclass(frozen=True, slots=True)
 class Relayed:
     """How one API is relayed: the engine path, the body's preparation, the wire shape, the client headers
-    passed on to the engine, and an optional step of its own."""
+    passed on to the engine, an optional step of its own, and where its engine reads a priority from (the body's
+    `priority`, or `priority_header` where the engine's request model has no such field)."""
 
     path: str
     prepare: Prepare
     shape: WireShape
     passed_headers: tuple[str, ...] = ()
     after_admit: AfterAdmit | None = None
+    priority_header: bool = False
+
+    def engine_request(
+        self, request: Request, prepared: PreparedRequest, priority: int | None
+    ) -> tuple[bytes, dict[str, str]]:
+        """The body and the headers for the engine: the passed client headers, and `priority` (None: none sent)
+        where this API's engine reads it."""
+        headers = {name: value for name in self.passed_headers if (value := request.headers.get(name))}
+        if priority is None or not self.priority_header:
+            return prepared.engine_body(priority), headers
+        headers[PRIORITY_HEADER] = str(priority)
+        return prepared.engine_body(None), headers
 
 
 async def relay(request: Request, api: Relayed) -> ASGIApp:
@@ -86,7 +104,7 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
             admitting = lease.acquire_beside(prepared.tokens_estimate)
         if admitting is None:
             await lease.acquire(prepared.tokens_estimate)
-    engine_body = await _admit(services, key, prepared, lease)
+    engine_body, engine_headers = api.engine_request(request, prepared, await _admit(services, key, prepared, lease))
     return await services.relay.forward(
         api.path,
         engine_body,
@@ -98,16 +116,16 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         admitting=admitting,
         after=after,
         shape=api.shape,
-        engine_headers={name: value for name in api.passed_headers if (value := request.headers.get(name))},
+        engine_headers=engine_headers,
         watch=disconnect_watch(request.scope),
     )
 
 
 async def _admit(
     services: Services, key: ApiKey | None, prepared: PreparedRequest, lease: RequestLease | None
-) -> bytes:
+) -> int | None:
     """Admit the request at its priority against the engine's queue (its lease released uncharged when refused); the
-    body for the engine, with vLLM's `priority` only for an engine that schedules by it."""
+    priority to send the engine: None unless it schedules by priority."""
     priority = effective_priority(
         key.priority if key is not None else None,
         services.settings.limits.default_priority,
@@ -117,7 +135,7 @@ async def _admit(
         await services.admission.admit(priority)
         scheduling = services.monitor.priority_scheduling
         services.admission.count_sent(priority, sent=scheduling)
-        return prepared.engine_body(priority if scheduling else None)
+        return priority if scheduling else None
     except BaseException:
         # Refused (or cancelled) before the engine: the key's request is given back, and an admission still running
         # beside it is waited for, so that nothing it takes stays held.

@@ -46,9 +46,14 @@ class ServedRoute:
     shape: WireShape | None = None
 
     @property
+    def envelope(self) -> WireShape | None:
+        """The wire shape of the API the route serves (its errors' envelope), if any."""
+        return self.relayed.shape if self.relayed is not None else self.shape
+
+    @property
     def api(self) -> str | None:
         """The API the route serves (chat, completions, responses, messages), for metrics and the access log."""
-        shape = self.relayed.shape if self.relayed is not None else self.shape
+        shape = self.envelope
         return shape.api if shape is not None else None
 
     @property
@@ -58,7 +63,7 @@ class ServedRoute:
 
     def render(self, error: GatewayError) -> bytes:
         """`error` in this route's envelope."""
-        shape = self.relayed.shape if self.relayed is not None else self.shape
+        shape = self.envelope
         return shape.error_body(error) if shape is not None else error.to_json()
 
 
@@ -69,8 +74,10 @@ def _relayed(
     *,
     passed_headers: tuple[str, ...] = (),
     after_admit: AfterAdmit | None = None,
+    priority_header: bool = False,
 ) -> ServedRoute:
-    return ServedRoute("POST", path, relayed=Relayed(path, prepare, shape, passed_headers, after_admit))
+    relayed = Relayed(path, prepare, shape, passed_headers, after_admit, priority_header)
+    return ServedRoute("POST", path, relayed=relayed)
 
 
 SERVED: tuple[ServedRoute, ...] = (
@@ -79,8 +86,15 @@ SERVED: tuple[ServedRoute, ...] = (
     _relayed("/v1/responses", prepare_responses, RESPONSES, after_admit=stored.remember_owner),
     ServedRoute("GET", "/v1/responses/{id}", stored.retrieve, shape=RESPONSES),
     ServedRoute("POST", "/v1/responses/{id}/cancel", stored.cancel, shape=RESPONSES),
-    _relayed("/v1/messages", prepare_messages, MESSAGES, passed_headers=_ANTHROPIC_HEADERS),
-    _relayed("/v1/messages/count_tokens", prepare_count_tokens, MESSAGES, passed_headers=_ANTHROPIC_HEADERS),
+    # vLLM's Messages request model has no `priority`: it reads the header.
+    _relayed("/v1/messages", prepare_messages, MESSAGES, passed_headers=_ANTHROPIC_HEADERS, priority_header=True),
+    _relayed(
+        "/v1/messages/count_tokens",
+        prepare_count_tokens,
+        MESSAGES,
+        passed_headers=_ANTHROPIC_HEADERS,
+        priority_header=True,
+    ),
     ServedRoute("GET", "/v1/models"),
     ServedRoute("GET", "/health"),
     # Load balancers probe with HEAD.
@@ -109,6 +123,12 @@ class RouteTable:
         for route in routes:
             self._methods.setdefault(route.path, []).append(route.method)
         self.paths = frozenset(self._methods)
+        # A path under a served API's own (`/v1/messages/batches`, GET `/v1/messages`) is refused in its envelope:
+        # the longest static prefix of the API's paths first.
+        self._families = sorted(
+            ((r.path.split("{", 1)[0].rstrip("/"), r) for r in routes if r.envelope is not None),
+            key=lambda family: -len(family[0]),
+        )
         self._listing = ", ".join(f"{'|'.join(methods)} {path}" for path, methods in self._methods.items())
 
     def find(self, method: str, path: str) -> ServedRoute | None:
@@ -118,6 +138,13 @@ class RouteTable:
             return route
         parts = path.split("/")
         return next((r for r, t in self._templates if r.method == method and _matches(t, parts)), None)
+
+    def render_refusal(self, path: str, error: GatewayError) -> bytes:
+        """`error`, the refusal of `path`, in the envelope of the served API the path lies under, else OpenAI's."""
+        for prefix, route in self._families:
+            if path == prefix or path.startswith(prefix + "/"):
+                return route.render(error)
+        return error.to_json()
 
     def refusal(self, method: str, path: str) -> GatewayError:
         """Why `method path` is not served: 405 (with Allow) on a served path, else 404."""

@@ -668,7 +668,7 @@ class FakeEngine:
             await exchange.gone.wait()
             self._mark_gone(record)
             return
-        error = self._validate(record.path, body)
+        error = self._validate(record.path, body, record.headers)
         if faults.status is not None or error is not None:
             if await exchange.pause(faults.prefill_delay):
                 self._mark_gone(record)
@@ -691,12 +691,13 @@ class FakeEngine:
         else:
             await self._respond(exchange, record, completion, faults)
 
-    def _validate(self, path: str, body: dict[str, Any]) -> tuple[int, str] | None:
+    def _validate(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, str] | None:
         """The checks vLLM makes before generating: model name, priority under FCFS, context length."""
         model = body.get("model")
         if model is not None and model != self.model:
             return 404, f"The model `{model}` does not exist."
-        priority = body.get("priority", 0)
+        # As vLLM 0.32: the X-Vllm-Priority header first; its Messages API has no `priority` field (dropped).
+        priority = int(headers.get("x-vllm-priority") or (0 if path == "/v1/messages" else body.get("priority", 0)))
         if priority != 0 and self.scheduling_policy != "priority":
             return 400, f"Got priority {priority} but Priority scheduling is not enabled."
         if path.endswith("/chat/completions") and not isinstance(body.get("messages"), list):
