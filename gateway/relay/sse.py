@@ -311,25 +311,25 @@ class SSERelay:
         finally:
             alarm.close()
         if not self._saw_done:
+            # A line the engine cut off is not relayed (no client can parse half of it): the error event starts on a
+            # line of its own, after a blank line that ends whatever event the engine left open.
             await self._fail(
                 send,
                 EngineErrorKind.MID_STREAM,
                 EngineUnavailableError(
                     "The model engine ended the stream without finishing it; the answer is incomplete."
                 ),
-            # A line the engine cut off is not relayed (no client can parse half of it): the error event starts on a
-            # line of its own, after a blank line that ends whatever event the engine left open.
+                lead=b"\n" if carry else b"",
             )
             return
+        if carry:
+            await send({"type": "http.response.body", "body": carry, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _silence_error(self, fired: str | None) -> tuple[EngineErrorKind, GatewayError]:
         if fired == "frozen":
-                lead=b"\n" if carry else b"",
             return EngineErrorKind.FROZEN, EngineUnavailableError(
                 "The model engine stopped generating; the stream was ended and the answer is incomplete.",
-        if carry:
-            await send({"type": "http.response.body", "body": carry, "more_body": True})
                 retry_after=self._settings.retry_after,
             )
         return EngineErrorKind.TIMEOUT, EngineTimeoutError(
