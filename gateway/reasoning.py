@@ -150,14 +150,10 @@ def clamp_thinking_budget(data: dict[str, Any], ceiling: int | None) -> None:
     """Cut a thinking budget above `ceiling` (the most tokens the request may generate: its max tokens, else the
     context length) down to it, in place; -1 (no budget) stays. A budget past the ceiling is never reached, so the
     answer is the same, but vLLM keeps each request's budget in a 32-bit tensor on the GPU, which a larger number
-    overflows in the engine process, not at its request validation."""
+    overflows in the engine process, not at its request validation. Anthropic's `thinking.budget_tokens` is left
+    alone: vLLM requires it below `max_tokens` and from 1024 (validation says so), so a cut one could be refused."""
     if ceiling is None:
         return
     budget = data.get(THINKING_BUDGET)
     if isinstance(budget, int) and budget > ceiling:
         data[THINKING_BUDGET] = ceiling
-    thinking = data.get("thinking")
-    if isinstance(thinking, dict):
-        tokens = thinking.get("budget_tokens")
-        if isinstance(tokens, int) and tokens > ceiling:
-            data["thinking"] = {**thinking, "budget_tokens": ceiling}

@@ -183,12 +183,20 @@ class ResponsesReasoning(_Strict):
     summary: StrictStr | None = None
 
 
+class ResponsesContentPart(_Strict):
+    """One part of a Responses message's `content` list (`input_text`, `output_text`, `input_image`, ...): a typed
+    object whose `text`, where it has one, is a string."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
 class ResponsesInputItem(_Strict):
     """One item of a Responses `input` list: a message (`role` + `content`) or another typed item."""
 
     type: StrictStr | None = None
     role: Literal["system", "developer", "user", "assistant"] | None = None
-    content: Any = None
+    content: StrictStr | list[ResponsesContentPart] | None = None
 
     _content = field_validator("content", mode="before")(lambda value: _items_of_dicts(value, "content"))
 
@@ -250,25 +258,69 @@ class AnthropicMessage(_Strict):
     _content = field_validator("content", mode="before")(lambda value: _items_of_dicts(value, "content"))
 
 
+class AnthropicTool(_Strict):
+    """One Anthropic tool: a `name` and the JSON schema of its input."""
+
+    name: StrictStr
+    description: StrictStr | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(_Strict):
+    """`tool_choice`: `auto`, `any`, `none`, or `tool` with the tool's `name`."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+# vLLM's (and Anthropic's) least thinking budget.
+MIN_THINKING_BUDGET = 1024
+
+
+class AnthropicThinking(_Strict):
+    """`thinking`: `enabled` with a `budget_tokens` of at least 1024, `disabled`, or `adaptive`."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: StrictInt | None = Field(None, ge=MIN_THINKING_BUDGET)
+
+    @model_validator(mode="after")
+    def _enabled_has_budget(self) -> AnthropicThinking:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError(
+                f"thinking of type 'enabled' needs 'budget_tokens', a whole number from {MIN_THINKING_BUDGET}"
+            )
+        return self
+
+
 class AnthropicCountTokensRequest(_Strict):
     """Body of POST /v1/messages/count_tokens."""
 
     model: StrictStr
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: StrictStr | list[AnthropicBlock] | None = None
-    tools: list[dict[str, Any]] | None = None
-    thinking: dict[str, Any] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
+    # Not Anthropic's, but the gateway reads it as the request's completion budget when a client sends it.
+    max_tokens: StrictInt | None = Field(None, ge=1)
 
     _system = field_validator("system", mode="before")(lambda value: _items_of_dicts(value, "system"))
+
+
+class AnthropicMetadata(_Strict):
+    """`metadata`: Anthropic's `user_id`, a string."""
+
+    user_id: StrictStr | None = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     """Body of POST /v1/messages (Anthropic's Messages API)."""
 
-    max_tokens: StrictInt = Field(ge=1)
+    max_tokens: StrictInt = Field(ge=1)  # required here, optional when counting
     stream: bool | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: Probability | None = None
     top_k: StrictInt | None = Field(None, ge=0)
     stop_sequences: list[StrictStr] | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: AnthropicMetadata | None = None

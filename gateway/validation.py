@@ -20,7 +20,7 @@ from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.reasoning import apply_reasoning, apply_responses_reasoning, clamp_thinking_budget, served_switch
 from gateway.relay.served_model import ModelInfo
 from gateway.schemas import (
-    ROLES,
+    MIN_THINKING_BUDGET,
     AnthropicCountTokensRequest,
     AnthropicMessagesRequest,
     ChatCompletionRequest,
@@ -152,9 +152,9 @@ def _as_request_error(exc: ValidationError) -> InvalidRequestError:
     param = param_path(loc)
     kind = error["type"]
     if kind == "literal_error" and loc[-1:] == ("role",):
-        got = error.get("input")
-        hint = f"use one of {', '.join(repr(r) for r in ROLES)}, lowercase"
-        return InvalidRequestError(f"Invalid role {got!r} at '{param}': {hint}.", param=param)
+        # The roles this route's schema takes (chat's, the Responses API's or Anthropic's), as pydantic lists them.
+        got, expected = error.get("input"), str((error.get("ctx") or {}).get("expected", "")).replace(" or ", ", ")
+        return InvalidRequestError(f"Invalid role {got!r} at '{param}': use one of {expected}, lowercase.", param=param)
     if kind == "missing":
         return InvalidRequestError(f"Missing required parameter '{param}'.", param=param)
     if kind == "too_short" and param == "messages":
@@ -439,9 +439,33 @@ def _messages_policy(settings: Settings) -> Callable[[dict[str, Any]], int]:
     return policy
 
 
+def _check_thinking_budget(data: dict[str, Any]) -> None:
+    """vLLM refuses an enabled thinking budget of `max_tokens` or more (as Anthropic does): a 400 that says which
+    budgets this request may have. Never rewritten: the nearest valid budget may be none (max_tokens up to 1024)."""
+    thinking, max_tokens = data.get("thinking"), data["max_tokens"]
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) and thinking["type"] == "enabled" else None
+    if budget is not None and budget >= max_tokens:
+        valid = (
+            f"send a budget from {MIN_THINKING_BUDGET} to {max_tokens - 1}"
+            if max_tokens > MIN_THINKING_BUDGET
+            else f"raise 'max_tokens' above {MIN_THINKING_BUDGET} (a budget is at least {MIN_THINKING_BUDGET})"
+        )
+        raise InvalidRequestError(
+            f"'thinking.budget_tokens' is {budget}; it must be less than 'max_tokens' ({max_tokens}): {valid}.",
+            param="thinking.budget_tokens",
+        )
+
+
 def prepare_messages(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
-    """Validate an Anthropic Messages request and apply the default system message (`system`)."""
-    return _prepare(body, _MESSAGES, settings, info, _messages_policy(settings))
+    """Validate an Anthropic Messages request (a thinking budget below `max_tokens`) and apply the default system
+    message (`system`)."""
+    apply_policy = _messages_policy(settings)
+
+    def policy(data: dict[str, Any]) -> int:
+        _check_thinking_budget(data)
+        return apply_policy(data)
+
+    return _prepare(body, _MESSAGES, settings, info, policy)
 
 
 def prepare_count_tokens(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:

@@ -75,6 +75,25 @@ def _response_id(request: Request) -> str:
     return request.url.path.split("/")[3]
 
 
+def _stored_query(request: Request) -> dict[str, str]:
+    """The query values the engine reads on GET /v1/responses/{id}, checked: `stream` true or false, `starting_after`
+    a whole number in ASCII digits (`isdigit` alone takes other scripts' digits, which cannot go on the engine's
+    request line); others are dropped."""
+    query = {k: v for k, v in request.query_params.items() if k in ("stream", "starting_after")}
+    stream = query.get("stream")
+    if stream is not None:
+        if stream.lower() not in ("true", "false"):
+            raise InvalidRequestError(f"'stream' is {stream[:40]!a}; send true or false.", param="stream")
+        query["stream"] = stream.lower()
+    after = query.get("starting_after")
+    if after is not None and not (after.isascii() and after.isdigit() and len(after) <= 18):
+        raise InvalidRequestError(
+            f"'starting_after' is {after[:40]!a}; send the sequence number of an event (a whole number from 0).",
+            param="starting_after",
+        )
+    return query
+
+
 async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
     services = get_services(request)
     record = get_record(request)
@@ -87,10 +106,8 @@ async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
     path = f"/v1/responses/{response_id}" + ("/cancel" if cancel else "")
     stream = False
     if not cancel:
-        stream = request.query_params.get("stream", "false").lower() == "true"
-        query = {k: v for k, v in request.query_params.items() if k in ("stream", "starting_after")}
-        if any(not value.isalnum() for value in query.values()):
-            raise InvalidRequestError("'stream' and 'starting_after' take true/false and a number.")
+        query = _stored_query(request)
+        stream = query.get("stream") == "true"
         if query:
             path += "?" + "&".join(f"{k}={v}" for k, v in query.items())
     record.stream = stream

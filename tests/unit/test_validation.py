@@ -274,12 +274,39 @@ def test_the_chat_budget_the_engine_uses_bounds_the_thinking_budget() -> None:
     assert chat(body)[1]["thinking_token_budget"] == 64  # vLLM prefers max_completion_tokens
 
 
-def test_an_anthropic_thinking_budget_above_max_tokens_is_clamped() -> None:
-    body = orjson.dumps(
-        {"model": MODEL, "messages": [USER], "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 5000}}
-    )
-    sent = orjson.loads(prepare_messages(body, SETTINGS, INFO).body)
-    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 64}
+def _messages_thinking(max_tokens: int, budget: Any) -> bytes:
+    thinking = {"type": "enabled", "budget_tokens": budget}
+    return orjson.dumps({"model": MODEL, "messages": [USER], "max_tokens": max_tokens, "thinking": thinking})
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "budget", "hint"),
+    [
+        (2000, 5000, "send a budget from 1024 to 1999"),
+        (2000, 2000, "send a budget from 1024 to 1999"),
+        (64, 5000, "raise 'max_tokens' above 1024"),
+    ],
+)
+def test_an_anthropic_thinking_budget_from_max_tokens_is_a_400_saying_which_budgets_are_valid(
+    max_tokens: int, budget: int, hint: str
+) -> None:
+    # vLLM refuses a budget of max_tokens or more; cutting it to max_tokens made a body it must refuse.
+    with pytest.raises(InvalidRequestError) as caught:
+        prepare_messages(_messages_thinking(max_tokens, budget), SETTINGS, INFO)
+    assert caught.value.param == "thinking.budget_tokens"
+    assert hint in caught.value.message and f"less than 'max_tokens' ({max_tokens})" in caught.value.message
+
+
+@pytest.mark.parametrize("budget", [1023, 0, "2000", 1.5, None])
+def test_an_anthropic_thinking_budget_is_a_whole_number_from_1024(budget: Any) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        prepare_messages(_messages_thinking(4000, budget), SETTINGS, INFO)
+    assert caught.value.param in ("thinking.budget_tokens", "thinking")
+
+
+def test_a_valid_anthropic_thinking_budget_goes_to_the_engine_as_sent() -> None:
+    sent = orjson.loads(prepare_messages(_messages_thinking(2000, 1999), SETTINGS, INFO).body)
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 1999}
 
 
 @pytest.mark.parametrize("budget", [-2, 1.5, "100", True])
