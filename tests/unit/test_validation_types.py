@@ -196,7 +196,12 @@ def declared(schema: type[BaseModel], path: tuple[str | int, ...]) -> bool:
         for kind in current:
             if isinstance(step, int) and isinstance(kind, tuple):
                 following += _models_in(kind[1]) or [None]
-            elif isinstance(step, str) and isinstance(kind, type) and step in kind.model_fields:
+            elif (
+                isinstance(step, str)
+                and isinstance(kind, type)
+                and issubclass(kind, BaseModel)
+                and step in kind.model_fields
+            ):
                 following += _models_in(kind.model_fields[step].annotation) or [None]
         if not following:
             return False
