@@ -18,6 +18,8 @@ import orjson
 from gateway.errors import GatewayError, anthropic_error_type
 
 _DONE = b"data: [DONE]"
+_DONE_MARK = b"[DONE]"
+_RESPONSES_ENDS = frozenset(("response.completed", "response.incomplete", "response.failed", "error"))
 
 
 def _openai_event(error: GatewayError) -> bytes:
@@ -36,6 +38,25 @@ def _responses_event(error: GatewayError) -> bytes:
 def _anthropic_event(error: GatewayError) -> bytes:
     # The Anthropic SDK raises its APIStatusError on `event: error`.
     return b"event: error\ndata: " + error.to_anthropic_json() + b"\n\n"
+
+
+def _chat_answer(event: dict[str, Any]) -> dict[str, Any] | None:
+    # The usage chunk (stream_options.include_usage) carries the exchange's usage at its top level; the client's
+    # text only ever reaches a chunk inside a JSON string, so it can plant no top-level key.
+    return event if isinstance(event.get("usage"), dict) else None
+
+
+def _responses_answer(event: dict[str, Any]) -> dict[str, Any] | None:
+    # Only the terminal event's response is the finished one; the first events echo the request's `metadata` and
+    # `tools`, whatever they hold.
+    response = event.get("response")
+    return response if event.get("type") in _RESPONSES_ENDS and isinstance(response, dict) else None
+
+
+def _messages_answer(event: dict[str, Any]) -> dict[str, Any] | None:
+    # `message_delta` carries the whole usage (prompt and output tokens); `message_start`'s holds the prompt only, so
+    # a stream cut after it keeps the up-front charge rather than charging the prompt alone.
+    return event if event.get("type") == "message_delta" and isinstance(event.get("usage"), dict) else None
 
 
 def _parsed(body: bytes) -> Any:
@@ -80,12 +101,20 @@ def _engine_anthropic_body(status: int, body: bytes) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class WireShape:
-    """What differs between the relayed APIs on the wire; `api` names the API in metrics and the access log."""
+    """What differs between the relayed APIs on the wire; `api` names the API in metrics and the access log.
+
+    The end of a stream and its usage are read from the engine's own structure, never from a substring of a chunk:
+    a chunk echoes client text (the Responses API repeats the request's `metadata` and `tools` in its first events),
+    and a client who could end its stream early would end its accounting with it (its concurrency slot freed, its
+    tokens charged at the estimate). A chunk holding one of `end_marks` (or a usage object) is a candidate: its
+    `data:` lines are parsed, and their top-level `type` decides.
+    """
 
     api: str
-    # Markers of a finished stream, in the data line of its last event (which carries the usage, so the relay
-    # settles only once that line is whole): a chunk holding one ends the engine's answer.
-    end_markers: tuple[bytes, ...]
+    # The top-level `type`s of the events that end the stream; empty: it ends with a `data: [DONE]` line.
+    end_types: frozenset[str]
+    # The object of an event that reports on the exchange (its usage, a response's id), or None.
+    answer_of: Callable[[dict[str, Any]], dict[str, Any] | None]
     error_event: Callable[[GatewayError], bytes]
     error_body: Callable[[GatewayError], bytes]
     # Whether the gateway added a usage-only chunk the client did not ask for (chat's `stream_options`).
@@ -93,11 +122,19 @@ class WireShape:
     # The engine's error answer (its status and body, whatever their envelope) in this API's envelope.
     engine_error_body: Callable[[int, bytes], bytes] = _engine_openai_body
 
-    def ends(self, chunk: bytes) -> bool:
-        """Whether `chunk` finishes the stream."""
-        if self.end_markers == (_DONE,):
-            return chunk[-24:].rstrip().endswith(_DONE)
-        return any(marker in chunk for marker in self.end_markers)
+    @property
+    def end_marks(self) -> tuple[bytes, ...]:
+        """What a chunk holding the end of the stream contains: `[DONE]`, or an end type as vLLM's compact JSON
+        writes it. A chunk without any of these cannot end the stream (one with them may not: it is parsed)."""
+        if not self.end_types:
+            return (_DONE_MARK,)
+        return tuple(b'"type":"%s"' % kind.encode() for kind in sorted(self.end_types))
+
+    def ends(self, line: bytes, event: dict[str, Any] | None) -> bool:
+        """Whether the `data:` `line` (parsed: `event`, None when it is not a JSON object) ends the stream."""
+        if not self.end_types:
+            return line.rstrip() == _DONE
+        return event is not None and event.get("type") in self.end_types
 
 
 def _openai_body(error: GatewayError) -> bytes:
@@ -108,18 +145,15 @@ def _anthropic_body(error: GatewayError) -> bytes:
     return error.to_anthropic_json()
 
 
-CHAT = WireShape("chat", (_DONE,), _openai_event, _openai_body, strips_usage=True)
-COMPLETIONS = WireShape("completions", (_DONE,), _openai_event, _openai_body, strips_usage=True)
+_NO_ENDS: frozenset[str] = frozenset()
+CHAT = WireShape("chat", _NO_ENDS, _chat_answer, _openai_event, _openai_body, strips_usage=True)
+COMPLETIONS = WireShape("completions", _NO_ENDS, _chat_answer, _openai_event, _openai_body, strips_usage=True)
 # vLLM ends these streams with their terminal event and no `[DONE]` (its JSON is compact: no spaces).
-RESPONSES = WireShape(
-    "responses",
-    (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"', b'"type":"error"'),
-    _responses_event,
-    _openai_body,
-)
+RESPONSES = WireShape("responses", _RESPONSES_ENDS, _responses_answer, _responses_event, _openai_body)
 MESSAGES = WireShape(
     "messages",
-    (b'"type":"message_stop"', b'"type":"error"'),
+    frozenset(("message_stop", "error")),
+    _messages_answer,
     _anthropic_event,
     _anthropic_body,
     engine_error_body=_engine_anthropic_body,

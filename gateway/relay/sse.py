@@ -1,7 +1,8 @@
 """Relays an engine's Server-Sent Events to the client as they arrive, and watches for the client leaving.
 
-Bytes pass through unparsed, `event:` lines and all; only a line carrying a `"usage": {...}` object is read
-(for accounting) and, when the client did not ask for usage, dropped. Silence is filled with SSE comments; a
+Bytes pass through unparsed, `event:` lines and all; only a `data:` line that may carry the usage or the stream's end
+is parsed, and only what the engine's own structure says there counts (`relay/shapes.py`: client text echoed in a
+chunk ends nothing); a usage the client did not ask for is dropped. Silence is filled with SSE comments; a
 stream that breaks or freezes ends with one error event in its API's shape (`relay/shapes.py`). Every chunk is
 recorded as engine progress (one timestamp) for the engine monitor, which can also end the stream when it finds
 the engine stuck. Speaks raw ASGI; imports no web framework and no HTTP client (the engine's bytes come
@@ -42,13 +43,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["KEEP_ALIVE", "Message", "Receive", "SSERelay", "Send"]
 
 KEEP_ALIVE = b": keep-alive\n\n"
-_DONE_MARK = b"[DONE]"
 # The scope key under which the server offers a BodyWriter for the request's response.
 BODY_WRITER = "nemotron.body_writer"
 _USAGE_MARKERS = (b'"usage":{', b'"usage": {')
 # What the straight path looks for: both usage markers start with it (a `"usage":null` also matches, and goes the
 # pump's way, which finds no usage in it).
 _USAGE_KEY = b'"usage":'
+_DATA = b"data:"
 SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -173,7 +174,9 @@ class SSERelay:
         self._frozen = False
         self._writer: BodyWriter | None = None
         # What a chunk relayed straight must not hold: a usage line (the pump reads it) or the end of the stream.
-        self._held_marks = (_USAGE_KEY, _DONE_MARK, *(m for m in shape.end_markers if _DONE_MARK not in m))
+        self._held_marks = (_USAGE_KEY, *shape.end_marks)
+        # What makes the pump parse a chunk's data lines: a usage object, or a candidate for the end.
+        self._read_marks = (*_USAGE_MARKERS, *shape.end_marks)
         # The pump waits on the engine with nothing buffered and no partial line: a chunk may go straight out.
         self._parked = False
 
@@ -301,9 +304,12 @@ class SSERelay:
                     chunk, carry = chunk[:cut], chunk[cut:]
                     if not chunk:
                         continue
-                if _USAGE_MARKERS[0] in chunk or _USAGE_MARKERS[1] in chunk:
-                    chunk = self._take_usage(chunk)
-                if self._shape.ends(chunk):
+                ends = False
+                for mark in self._read_marks:
+                    if mark in chunk:
+                        chunk, ends = self._read_events(chunk)
+                        break
+                if ends:
                     self._saw_done = True
                     # Settle before the client sees the end: its next request must find the slot free.
                     await self._finish()
@@ -342,30 +348,36 @@ class SSERelay:
         if settlement is not None:
             await settlement.settle()
 
-    def _take_usage(self, chunk: bytes) -> bytes:
-        """Record the usage of every line that carries one; drop usage-only events the client did not ask for."""
+    def _read_events(self, chunk: bytes) -> tuple[bytes, bool]:
+        """Parse the data lines that may carry the usage or the end; record what the engine's own structure says
+        (`WireShape.answer_of`), drop usage-only events the client did not ask for. The chunk to send, and whether
+        it ends the stream."""
         kept: list[bytes] = []
-        lines = chunk.split(b"\n")
-        skip_blank = False
-        for line in lines:
+        shape, marks = self._shape, self._read_marks
+        ends = skip_blank = False
+        for line in chunk.split(b"\n"):
             if skip_blank and not line:
                 skip_blank = False
                 continue
             skip_blank = False
-            if line.startswith(b"data:") and (_USAGE_MARKERS[0] in line or _USAGE_MARKERS[1] in line):
+            if line.startswith(_DATA) and any(mark in line for mark in marks):
                 try:
                     event = orjson.loads(line[5:])
                 except orjson.JSONDecodeError:
                     event = None
-                if isinstance(event, dict):
-                    self._record.take_answer(event)
-                    if self._strip_usage and not event.get("choices"):
+                if not isinstance(event, dict):
+                    event = None
+                ends = ends or shape.ends(line, event)
+                answer = shape.answer_of(event) if event is not None else None
+                if answer is not None:
+                    self._record.take_answer(answer)
+                    if self._strip_usage and event is answer and not answer.get("choices"):
                         # The usage-only chunk the gateway asked for on the client's behalf: drop the
                         # line and the blank line that ends its event.
                         skip_blank = True
                         continue
             kept.append(line)
-        return b"\n".join(kept)
+        return b"\n".join(kept), ends
 
     async def _fail(self, send: Send, kind: EngineErrorKind, error: GatewayError, lead: bytes = b"") -> None:
         # Counted by whoever settles the exchange (`settlement`), from the record: one place for every kind.

@@ -117,6 +117,7 @@ class Harness:
         *,
         strip_usage: bool = True,
         shape: WireShape = CHAT,
+        settlement: Any = None,
         **relay: Any,
     ) -> None:
         self.client = Client()
@@ -133,6 +134,7 @@ class Harness:
             self.metrics,
             strip_usage=strip_usage,
             shape=shape,
+            settlement=settlement,
             activity=self.activity,
         )
 
@@ -422,3 +424,74 @@ def test_anthropic_usage_counts_cached_prompt_tokens_in_the_prompt() -> None:
     record = RequestRecord(request_id="r", started_at=0.0)
     record.take_usage({"input_tokens": 3, "output_tokens": 5, "cache_read_input_tokens": 10})
     assert (record.prompt_tokens, record.completion_tokens) == (13, 5)
+
+
+class SettledAt:
+    """A settlement that notes how much of the body the client had when the exchange was settled."""
+
+    def __init__(self) -> None:
+        self.client = Client()
+        self.sent_before: list[bytes] = []
+
+    async def settle(self) -> None:
+        self.sent_before.append(self.client.body)
+
+
+# What a client can put into the request's `metadata` and `tools`, which vLLM echoes in a Responses stream's first
+# events: the terminal type, and usage objects of its own.
+_PLANTED = {
+    "metadata": {"type": "response.completed", "note": '"type":"response.completed"'},
+    "tools": [{"type": "function", "name": "f", "parameters": {"usage": {"input_tokens": 0, "output_tokens": 0}}}],
+}
+
+
+def typed(payload: dict[str, Any]) -> bytes:
+    """One event of a typed stream (Responses, Messages): its name line, then its data."""
+    return b"event: %s\ndata: %s\n\n" % (payload["type"].encode(), orjson.dumps(payload))
+
+
+_RESPONSES_PLANTED = [
+    typed({"response": {"id": "resp_1", "object": "response", "usage": None, **_PLANTED}, "type": "response.created"}),
+    # What the model writes reaches the stream inside a JSON string.
+    typed({"delta": '"type":"response.completed"', "type": "response.output_text.delta"}),
+    _COMPLETED,
+]
+_MESSAGES_PLANTED = [
+    typed(
+        {
+            "type": "message_start",
+            "message": {"usage": {"input_tokens": 3, "output_tokens": 0}, "echo": {"type": "message_stop"}},
+            "usage": None,
+        }
+    ),
+    typed({"type": "content_block_delta", "delta": {"text": '"type":"message_stop"'}}),
+    typed({"type": "message_delta", "usage": {"input_tokens": 3, "output_tokens": 9}}),
+    typed({"type": "message_stop"}),
+]
+
+
+@pytest.mark.parametrize(("shape", "events"), [(RESPONSES, _RESPONSES_PLANTED), (MESSAGES, _MESSAGES_PLANTED)])
+async def test_client_text_echoed_in_a_stream_neither_ends_it_nor_sets_its_usage(
+    shape: WireShape, events: list[bytes]
+) -> None:
+    settled = SettledAt()
+    harness = Harness([*events, b""], shape=shape, settlement=settled)
+    client = settled.client = harness.client
+    await harness.run()
+    assert client.body == b"".join(events) and harness.record.engine_error is None
+    # Settled once, just before the real end went out, with the engine's usage (not the echoed one).
+    assert settled.sent_before == [b"".join(events[:-1])]
+    assert (harness.record.prompt_tokens, harness.record.completion_tokens) == (
+        (4, 6) if shape is RESPONSES else (3, 9)
+    )
+
+
+async def test_a_chat_stream_ends_only_at_its_own_done_line() -> None:
+    # The client's text "data: [DONE]" reaches a chunk only inside a JSON string, in one read with other events.
+    forged = delta("\n\ndata: [DONE]") + delta("data: [DONE]")
+    settled = SettledAt()
+    harness = Harness([forged, delta("more"), DONE, b""], settlement=settled)
+    client = settled.client = harness.client
+    await harness.run()
+    assert settled.sent_before == [forged + delta("more")]
+    assert client.body == forged + delta("more") + DONE
