@@ -9,7 +9,7 @@ Imports settings, errors, bounds, schemas, reasoning and the relay's ModelInfo o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -65,12 +65,41 @@ class PreparedRequest:
     max_tokens: int | None
     choices: int = 1
     requested_priority: int | None = None  # the client's own `priority` (taken out of `body`)
+    # The API's field for the completion length when the client left that length to the engine (absent from `body`),
+    # else None: `capped` may fill it in.
+    open_budget_field: str | None = None
+
+    @property
+    def generates(self) -> bool:
+        """Whether the engine generates anything for it (counting tokens does not)."""
+        return self.choices > 0
 
     @property
     def tokens_estimate(self) -> int:
         """Prompt estimate plus the completion budget of every choice the engine generates (`n`, `best_of`,
-        each prompt of a batch): what a token limit charges up front."""
+        each prompt of a batch): what a token limit charges up front. Nothing for a request that generates
+        nothing."""
+        if not self.generates:
+            return 0
         return self.prompt_tokens_estimate + (self.max_tokens or _DEFAULT_MAX_TOKENS_ESTIMATE) * self.choices
+
+    def capped(self, token_limit: int | None, context_length: int | None) -> PreparedRequest:
+        """For a key with a token limit (`token_limit`: the smallest of its tokens/min and budgets), the request with
+        an explicit completion length where the client left it to the engine, which may otherwise generate up to
+        the context length while the key is charged a guess: the rest of the context (`context_length` less the
+        prompt's estimate), bounded so that the whole request fits `token_limit`. That cap goes to the engine in
+        the API's own field and is what `tokens_estimate` charges up front. Unchanged without a limit or with a
+        length of the client's."""
+        field = self.open_budget_field
+        if token_limit is None or field is None:
+            return self
+        cap = (token_limit - self.prompt_tokens_estimate) // self.choices
+        if context_length is not None:
+            cap = min(cap, context_length - self.prompt_tokens_estimate)
+        # At least one token: a prompt that fills the limit is then refused by it as too large, not sent uncapped.
+        cap = max(1, cap)
+        body = b'%s,"%s":%d}' % (self.body[:-1], field.encode(), cap)
+        return replace(self, body=body, max_tokens=cap, open_budget_field=None)
 
     def engine_body(self, priority: int | None) -> bytes:
         """The body for the engine, with vLLM's `priority` field when `priority` is not None (the body is an
@@ -280,6 +309,12 @@ def _prepare(
     data["model"] = model
     choices = (_check_choices(data, settings) if route.stream_options else 1) * route.prompts(data)
     max_tokens = _check_budget(data, route, info)
+    open_field = None
+    if max_tokens is None and route.prompts(data):
+        # An explicit null goes as no field at all, so that a cap the gateway adds is the body's only one.
+        for budget_field in route.budget_fields:
+            data.pop(budget_field, None)
+        open_field = route.budget_fields[0]
     clamp_thinking_budget(data, max_tokens if max_tokens is not None else info.context_length)
     if route.stream_options:
         stream, wants_usage = _apply_stream_policy(data)
@@ -295,6 +330,7 @@ def _prepare(
         max_tokens=max_tokens,
         choices=choices,
         requested_priority=requested_priority,
+        open_budget_field=open_field,
     )
 
 
@@ -386,7 +422,7 @@ _MESSAGES = _Route(
     prompts=lambda data: 1,
     stream_options=False,
 )
-# Counting tokens generates nothing: the token charge is the prompt's estimate alone.
+# Counting tokens generates nothing (no prompt to complete): no token charge, and no place in the engine's queue.
 _COUNT_TOKENS = _Route(
     schema=AnthropicCountTokensRequest,
     budget_fields=("max_tokens",),

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request, Response
 
 from gateway.auth import ApiKey
 from gateway.errors import RequestTooLargeError
-from gateway.ratelimit import RequestLease
+from gateway.ratelimit import EffectiveLimits, RequestLease
 from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.exchange import AfterSettle
 from gateway.relay.shapes import WireShape
@@ -91,10 +91,12 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         # an over-limit client must not make the gateway read and parse megabytes first.
         lease.precheck()
     body = await _read_body(request, services.settings.max_body_bytes)
-    prepared = api.prepare(body, services.settings, await services.monitor.require_ready())
+    info = await services.monitor.require_ready()
+    prepared = api.prepare(body, services.settings, info)
     record.model, record.stream = prepared.model, prepared.stream
     if key is not None:
         services.keys.check_model(key, prepared.model)
+        prepared = prepared.capped(_token_limit(services.limiter.effective_limits(key)), info.context_length)
     after = await api.after_admit(request, key, prepared, record) if api.after_admit is not None else None
     admitting = None
     if lease is not None:
@@ -121,11 +123,22 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
     )
 
 
+def _token_limit(limits: EffectiveLimits) -> int | None:
+    """The most tokens one request of a key can be charged: its smallest token limit (tokens/min, the daily and the
+    monthly budget), None when it has none. A request that leaves its length to the engine is capped to fit it."""
+    bounds = [limit for limit in (limits.tokens_per_minute, limits.daily_tokens, limits.monthly_tokens) if limit]
+    return min(bounds) if bounds else None
+
+
 async def _admit(
     services: Services, key: ApiKey | None, prepared: PreparedRequest, lease: RequestLease | None
 ) -> int | None:
     """Admit the request at its priority against the engine's queue (its lease released uncharged when refused); the
     priority to send the engine: None unless it schedules by priority."""
+    if not prepared.generates:
+        # Counting tokens takes no place in the engine's queue: counted there, it would refuse other keys'
+        # generations until the next scrape of the engine's gauges.
+        return None
     priority = effective_priority(
         key.priority if key is not None else None,
         services.settings.limits.default_priority,

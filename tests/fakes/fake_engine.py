@@ -240,16 +240,23 @@ class Completion:
     include_usage: bool
     # chat, completions, responses or messages: the shape of the answer.
     api: str = "completions"
+    # Where the answer ends on its own (the model's end of text) when `max_tokens` does not cut it first; None: it
+    # runs to `max_tokens`.
+    eos_after: int | None = None
+    # What vLLM repeats of a Responses API request in its response objects (`metadata`, `tools`).
+    echo: dict[str, Any] = field(default_factory=dict)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def n_tokens(self) -> int:
-        return DEFAULT_OUTPUT_TOKENS if self.max_tokens is None else self.max_tokens
+        if self.max_tokens is None:
+            return DEFAULT_OUTPUT_TOKENS if self.eos_after is None else self.eos_after
+        return self.max_tokens if self.eos_after is None else min(self.max_tokens, self.eos_after)
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.max_tokens is None else "length"
+        return "length" if self.max_tokens is not None and self.n_tokens == self.max_tokens else "stop"
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         total = self.prompt_tokens + completion_tokens
@@ -272,7 +279,7 @@ class Completion:
                 "role": "assistant",
                 "model": self.model,
                 "content": [{"type": "text", "text": text}],
-                "stop_reason": "end_turn" if self.max_tokens is None else "max_tokens",
+                "stop_reason": "end_turn" if self.finish_reason == "stop" else "max_tokens",
                 "stop_sequence": None,
                 "usage": {"input_tokens": self.prompt_tokens, "output_tokens": self.n_tokens},
             }
@@ -326,6 +333,7 @@ class Completion:
             "status": status,
             "output": output,
             "usage": None if output_tokens is None else self.responses_usage(output_tokens),
+            **self.echo,
         }
 
     def _typed(self, kind: str, obj: dict[str, Any]) -> bytes:
@@ -365,7 +373,7 @@ class Completion:
                 yield "token", self._typed("content_block_delta", {"index": 0, "delta": delta})
             yield "block", self._typed("content_block_stop", {"index": 0})
             usage = {"input_tokens": self.prompt_tokens, "output_tokens": self.n_tokens}
-            stop = {"stop_reason": "end_turn" if self.max_tokens is None else "max_tokens", "stop_sequence": None}
+            stop = {"stop_reason": "end_turn" if self.finish_reason == "stop" else "max_tokens", "stop_sequence": None}
             yield "usage", self._typed("message_delta", {"delta": stop, "usage": usage})
             yield "done", self._typed("message_stop", {})
             return
@@ -383,6 +391,14 @@ class Completion:
 
 
 _GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    """The completion length a request asks for, in whichever of the APIs' fields it uses."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        if body.get(name) is not None:
+            return int(body[name])
+    return None
 
 
 class FakeEngine:
@@ -425,6 +441,8 @@ class FakeEngine:
         # The Responses API store (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): off, `store` is ignored.
         self.responses_store = responses_store
         self.stored: dict[str, dict[str, Any]] = {}
+        # What `GET /v1/responses/{id}?stream=true` replays: the answer's events, at its request's token delay.
+        self.replays: dict[str, tuple[Completion, float]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -459,7 +477,7 @@ class FakeEngine:
             request = json.loads(body)
             await exchange.send_json(200, {"input_tokens": count_prompt_tokens(path, request)})
         elif path.startswith("/v1/responses/"):
-            await self._stored(method, path, exchange)
+            await self._stored(method, path, scope.get("query_string", b""), exchange)
         elif method == "GET" and path == "/health":
             await self._health(exchange)
         elif method == "GET" and path == "/metrics":
@@ -471,14 +489,22 @@ class FakeEngine:
         else:
             await exchange.send_json(404, error_body(404, f"Not Found: {method} {path}"))
 
-    async def _stored(self, method: str, path: str, exchange: Exchange) -> None:
-        """GET /v1/responses/{id} and POST .../cancel, as vLLM answers them."""
+    async def _stored(self, method: str, path: str, query: bytes, exchange: Exchange) -> None:
+        """GET /v1/responses/{id} (its events again with `?stream=true`) and POST .../cancel, as vLLM answers them."""
         response_id = path.split("/")[3]
         stored = self.stored.get(response_id)
         if stored is None:
             await exchange.send_json(404, error_body(404, f"Response with id '{response_id}' not found."))
         elif method == "POST" and path.endswith("/cancel"):
             await exchange.send_json(400, error_body(400, "Cannot cancel a synchronous response."))
+        elif b"stream=true" in query:
+            completion, token_delay = self.replays[response_id]
+            await exchange.start(200, SSE_CONTENT_TYPE)
+            for kind, event in completion.events():
+                if await exchange.pause(token_delay if kind == "token" else 0.0):
+                    return
+                await exchange.send_body(event, more=True)
+            await exchange.send_body(b"")
         else:
             await exchange.send_json(200, stored)
 
@@ -677,14 +703,23 @@ class FakeEngine:
             elif error is not None:
                 await self._finish_json(exchange, record, error[0], error_body(*error))
             return
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
+        asked = _max_tokens(body)
+        prompt_tokens = count_prompt_tokens(record.path, body)
+        eos_after = body.get("fake_eos_after")
+        if eos_after is None and asked is not None and prompt_tokens + asked >= self.max_model_len * 3 // 4:
+            # Asked for (nearly) the rest of the context, as a gateway caps a request that left its length to the
+            # engine: the answer ends on its own, as a model's does.
+            eos_after = DEFAULT_OUTPUT_TOKENS
         completion = Completion(
             api=_api_of(record.path),
             chat=record.path.endswith("/chat/completions"),
             model=self.model,
-            prompt_tokens=count_prompt_tokens(record.path, body),
-            max_tokens=int(max_tokens) if max_tokens is not None else None,
+            prompt_tokens=prompt_tokens,
+            # vLLM 0.32 generates at most the rest of the context, whatever more was asked for.
+            max_tokens=None if asked is None else min(asked, self.max_model_len - prompt_tokens),
             include_usage=bool((body.get("stream_options") or {}).get("include_usage", False)),
+            eos_after=None if eos_after is None else int(eos_after),
+            echo={name: body[name] for name in ("metadata", "tools") if name in body},
         )
         if record.stream:
             await self._stream(exchange, record, completion, faults)
@@ -702,15 +737,16 @@ class FakeEngine:
             return 400, f"Got priority {priority} but Priority scheduling is not enabled."
         if path.endswith("/chat/completions") and not isinstance(body.get("messages"), list):
             return 400, "messages: Field required"
-        prompt_tokens = count_prompt_tokens(path, body)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        requested = prompt_tokens + (int(max_tokens) if max_tokens is not None else 0)
-        if requested > self.max_model_len:
+        # As vLLM 0.32: a prompt longer than the context, or a completion length above it, is refused; a completion
+        # length past the rest of the context is cut to it.
+        prompt_tokens, max_tokens = count_prompt_tokens(path, body), _max_tokens(body)
+        if prompt_tokens > self.max_model_len:
             return 400, (
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{requested} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
-                "Please reduce the length of the messages or completion."
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
+                f"{prompt_tokens} input tokens. Please reduce the length of the input prompt."
             )
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            return 400, f"max_tokens={max_tokens} cannot be greater than max_total_tokens={self.max_model_len}."
         return None
 
     async def _respond(self, exchange: Exchange, record: RequestRecord, completion: Completion, faults: Faults) -> None:
@@ -759,6 +795,7 @@ class FakeEngine:
             if record.body.get("store", True):
                 answer = completion.response()
                 self.stored[answer["id"]] = answer
+                self.replays[answer["id"]] = (completion, Faults.from_body(record.body).token_delay)
 
     async def _finish_json(self, exchange: Exchange, record: RequestRecord, status: int, obj: Any) -> None:
         record.status = status

@@ -15,7 +15,15 @@ from gateway.bounds import BodyBounds, count_entries
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.relay.served_model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, EngineSettings, Settings
-from gateway.validation import PreparedRequest, param_path, prepare_chat, prepare_completion, prepare_messages
+from gateway.validation import (
+    PreparedRequest,
+    param_path,
+    prepare_chat,
+    prepare_completion,
+    prepare_count_tokens,
+    prepare_messages,
+    prepare_responses,
+)
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -851,3 +859,46 @@ def test_count_entries(path: str, count: int) -> None:
         "logit_bias": {"1": 2},
     }
     assert count_entries(body, path) == count
+
+
+# --- the completion cap of a key with a token limit -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prepare", "body", "field"),
+    [
+        (prepare_chat, chat_body(max_tokens=None), "max_completion_tokens"),
+        (prepare_completion, completion_body(), "max_tokens"),
+        (prepare_responses, orjson.dumps({"model": MODEL, "input": "Hello"}), "max_output_tokens"),
+    ],
+    ids=["chat", "completions", "responses"],
+)
+def test_a_length_left_to_the_engine_is_capped_in_the_apis_own_field_and_charged(
+    prepare: Callable[[bytes, Settings, ModelInfo], PreparedRequest], body: bytes, field: str
+) -> None:
+    prepared = prepare(body, SETTINGS, INFO)
+    assert prepared.capped(None, 4096) is prepared  # a key without a token limit: left to the engine
+    capped = prepared.capped(300, 4096)
+    sent = orjson.loads(capped.body)
+    # The whole request fits the key's limit; the body carries the one field, no null beside it.
+    assert sent[field] == 300 - prepared.prompt_tokens_estimate == capped.max_tokens
+    assert capped.tokens_estimate == 300
+    assert [name for name in ("max_tokens", "max_completion_tokens", "max_output_tokens") if name in sent] == [field]
+    # Bounded by the rest of the context when that is less.
+    assert orjson.loads(prepared.capped(100_000, 4096).body)[field] == 4096 - prepared.prompt_tokens_estimate
+
+
+def test_a_length_of_the_clients_is_kept_and_every_choice_is_capped() -> None:
+    prepared = prepare_chat(chat_body(max_tokens=7), SETTINGS, INFO)
+    assert prepared.capped(300, 4096) is prepared
+    two = prepare_chat(chat_body(n=2), SETTINGS, INFO)
+    assert two.capped(300, 4096).tokens_estimate <= 300
+    # A prompt that fills the limit is still capped (at one token), and then refused by the limit as too large.
+    assert two.capped(1, 4096).max_tokens == 1
+
+
+def test_counting_tokens_is_neither_capped_nor_charged() -> None:
+    body = orjson.dumps({"model": MODEL, "messages": [USER]})
+    prepared = prepare_count_tokens(body, SETTINGS, INFO)
+    assert not prepared.generates and prepared.tokens_estimate == 0
+    assert prepared.capped(300, 4096) is prepared
