@@ -57,6 +57,8 @@ class RequestRecord:
     route: str | None = None
     # The id of a Responses API answer (`resp_...`), for the stored-response ownership.
     response_id: str | None = None
+    # A stored response read back or cancelled: the usage it reports is its making's, counted then, so never taken.
+    replay: bool = False
 
     def take_usage(self, usage: Any) -> None:
         """Record the engine's `usage` object (ignored when malformed): OpenAI's chat and completion names
@@ -83,7 +85,9 @@ class RequestRecord:
 
     def take_answer(self, answer: dict[str, Any]) -> None:
         """Record what an engine answer or stream event says about the exchange: its usage (top level, or in a
-        Responses event's `response`) and a Responses answer's id."""
+        Responses event's `response`) and a Responses answer's id; nothing for a `replay`."""
+        if self.replay:
+            return
         response = answer.get("response")
         inner = response if isinstance(response, dict) else answer
         if inner.get("object") == "response" and isinstance(inner.get("id"), str):

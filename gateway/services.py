@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
-from gateway.auth import KeyStore
+from gateway.auth import KeyStore, ResponseOwners
 from gateway.exposition import Exposition
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import EngineAdmission, FailedAuthGuard, RedisRateLimiter
@@ -42,6 +42,7 @@ class Services:
     relay: EngineRelay
     redis: redis_asyncio.Redis
     keys: KeyStore
+    owners: ResponseOwners
     limiter: RedisRateLimiter
     admission: EngineAdmission
     guard: FailedAuthGuard
@@ -72,6 +73,7 @@ class Services:
             relay=EngineRelay(engine, monitor, activity, settings.relay, metrics),
             redis=redis,
             keys=KeyStore(redis, settings, metrics),
+            owners=ResponseOwners(redis, settings, metrics),
             limiter=RedisRateLimiter(redis, settings, metrics),
             admission=admission,
             guard=FailedAuthGuard(redis, settings, metrics),

@@ -91,6 +91,13 @@ class ApiKey:
     # Scheduling priority (vLLM's meaning: lower is served sooner); None: NEMOTRON_LIMITS__DEFAULT_PRIORITY.
     priority: int | None = None
 
+    @property
+    def key_id(self) -> str:
+        """What tells this key's record from any other: its name and the moment it was created. A rotation keeps it
+        (a new secret for the same record); a key deleted and created again under the same name has a new one.
+        Holds neither the secret nor its digest."""
+        return f"{self.name}@{self.created_at.isoformat()}"
+
     def state(self, now: datetime) -> KeyState:
         """The key's state at `now` (an aware datetime)."""
         if self.revoked:

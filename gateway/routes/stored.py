@@ -2,8 +2,10 @@
 
 vLLM keeps a response (in its memory) only when the operator turned its store on (`engine.responses_store`);
 otherwise the requests that need one get a clear 400 (validation) or 404 (here). With the store on, the id of
-every response is mapped in Redis to the name of the key that created it (never the secret), for
-`engine.responses_store_ttl`; another key's id, or an unknown one, is a 404 as OpenAI answers it.
+every response is mapped to the key that created it (`auth.ResponseOwners`: the key's record, kept by a rotation, not
+its name; never the secret), for `engine.responses_store_ttl`; another key's id, or an unknown one, is a 404 as OpenAI
+answers it. Reading or cancelling one counts against the key's requests/min and concurrency like any request (its
+lease held until the exchange settles, a streamed replay's end included) and charges no tokens: nothing is generated.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from fastapi import Request
-from redis.exceptions import RedisError
 
 from gateway.auth import ApiKey
 from gateway.errors import InvalidRequestError, KeyStoreUnavailableError, ResponseNotFoundError
+from gateway.ratelimit import RequestLease
 from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.shapes import RESPONSES
 from gateway.request_record import RequestRecord
@@ -23,25 +25,20 @@ from gateway.services import Services
 from gateway.types import ASGIApp
 from gateway.validation import STORE_OFF, PreparedRequest, parse_json_object
 
-_OWNER = "nemotron:response:{}"
 # Response ids are vLLM's `resp_<hex>`; anything else is not one, and never reaches Redis or the engine.
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
 def _owner(key: ApiKey | None) -> str:
     # With auth off there is one caller: every response is its own.
-    return key.name if key is not None else "-"
+    return key.key_id if key is not None else "-"
 
 
 async def _check_owner(services: Services, key: ApiKey | None, response_id: str, param: str | None) -> None:
     missing = ResponseNotFoundError(f"No response found with id {response_id[:80]!a}.", param=param)
     if len(response_id) > 128 or not set(response_id) <= _ID_CHARS:
         raise missing
-    try:
-        owner = await services.redis.get(_OWNER.format(response_id))
-    except RedisError:
-        raise KeyStoreUnavailableError("The key store is unavailable; retry shortly.") from None
-    if owner is None or (owner.decode() if isinstance(owner, bytes) else owner) != _owner(key):
+    if await services.owners.owner(response_id) != _owner(key):
         raise missing
 
 
@@ -60,10 +57,9 @@ async def remember_owner(
     async def remember() -> None:
         if record.response_id is None:
             return
-        ttl = int(services.settings.engine.responses_store_ttl)
         try:
-            await services.redis.set(_OWNER.format(record.response_id), _owner(key), ex=ttl)
-        except RedisError:
+            await services.owners.remember(record.response_id, _owner(key))
+        except KeyStoreUnavailableError:
             # The answer is out already; the response is then only unreadable later (a 404), never another's.
             pass
 
@@ -94,23 +90,34 @@ def _stored_query(request: Request) -> dict[str, str]:
     return query
 
 
+def _engine_path(request: Request, response_id: str, *, cancel: bool) -> tuple[str, bool]:
+    """The engine's path for reading or cancelling `response_id` (with the checked query), and whether the answer is
+    a stream (a replay of the response's events)."""
+    path = f"/v1/responses/{response_id}" + ("/cancel" if cancel else "")
+    if cancel:
+        return path, False
+    query = _stored_query(request)
+    if query:
+        path += "?" + "&".join(f"{k}={v}" for k, v in query.items())
+    return path, query.get("stream") == "true"
+
+
 async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
     services = get_services(request)
     record = get_record(request)
     key = await require_api_key(request, services)
+    lease = RequestLease(services.limiter, key, record.api or "responses") if key is not None else None
+    if lease is not None:
+        lease.precheck()
     response_id = _response_id(request)
     if not services.settings.engine.responses_store:
         raise ResponseNotFoundError(STORE_OFF.format(what="reading or cancelling a stored response"))
     await _check_owner(services, key, response_id, None)
     await services.monitor.require_ready()
-    path = f"/v1/responses/{response_id}" + ("/cancel" if cancel else "")
-    stream = False
-    if not cancel:
-        query = _stored_query(request)
-        stream = query.get("stream") == "true"
-        if query:
-            path += "?" + "&".join(f"{k}={v}" for k, v in query.items())
-    record.stream = stream
+    path, stream = _engine_path(request, response_id, cancel=cancel)
+    record.stream, record.replay = stream, True
+    if lease is not None:
+        await lease.acquire(0)  # a request, a concurrency slot until the exchange settles; no tokens
     return await services.relay.forward(
         path,
         b"",
@@ -119,6 +126,7 @@ async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
         stream=stream,
         strip_usage=False,
         shape=RESPONSES,
+        lease=lease,
         method="POST" if cancel else "GET",
         watch=disconnect_watch(request.scope),
     )

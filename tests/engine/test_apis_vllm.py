@@ -168,6 +168,37 @@ def test_a_stored_response_is_readable_and_continued_only_with_the_key_that_made
             sdk.responses.cancel(first.id)
 
 
+def test_metadata_vllm_echoes_in_a_stream_neither_ends_its_accounting_nor_frees_its_slot(stack: Stack) -> None:
+    # vLLM repeats the request's `metadata` in the stream's first events; planted to look like the end, it must not
+    # end the key's accounting there.
+    key = stack.new_key(f"apis-planted-{time.time_ns()}", "--max-concurrency", "1")
+    body = {
+        "model": MODEL,
+        "input": "A long story",
+        "stream": True,
+        "max_output_tokens": 300,
+        "ignore_eos": True,
+        "metadata": {"type": "response.completed", "note": '"type":"response.completed"'},
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    before = stack.metric("nemotron_gateway_api_tokens_total", 'api="responses",kind="completion"')
+    with httpx.stream("POST", f"{stack.gateway}/v1/responses", json=body, headers=headers, timeout=120) as first:
+        lines = first.iter_lines()
+        assert next(lines) == "event: response.created"
+        created = json.loads(next(lines)[6:])
+        assert created["response"]["metadata"]["type"] == "response.completed"
+        second = httpx.post(
+            f"{stack.gateway}/v1/responses", json={**body, "stream": False}, headers=headers, timeout=120
+        )
+        assert second.status_code == 429, second.text  # the first stream still holds the key's one slot
+        final = json.loads([line for line in lines if line.startswith("data: ")][-1][6:])
+    assert final["type"] == "response.completed"
+    after = stack.metric("nemotron_gateway_api_tokens_total", 'api="responses",kind="completion"')
+    assert after - before == final["response"]["usage"]["output_tokens"] == 300
+    with stack.openai(key) as sdk:  # and its owner was written at the real end
+        assert sdk.responses.retrieve(final["response"]["id"]).id == final["response"]["id"]
+
+
 def test_a_client_leaving_a_responses_or_messages_stream_aborts_the_generation_in_vllm(stack: Stack) -> None:
     budget, long = 1500, {"extra_body": {"ignore_eos": True}}
     before = generated_in_vllm(stack.engine)

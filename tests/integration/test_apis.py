@@ -61,9 +61,9 @@ def urls(gateways: dict[str, ServerProcess], store_engine: FakeEngineControl) ->
     return {name: f"http://127.0.0.1:{proc.port}" for name, proc in gateways.items()}
 
 
-def new_key(redis_url: str, *flags: str) -> str:
-    name = f"apis-{uuid.uuid4().hex[:8]}"
-    argv = [sys.executable, "-m", "gateway", "keys", "create", "--name", name, *flags, "--redis-url", redis_url]
+def keys_cli(redis_url: str, verb: str, *args: str) -> str:
+    """`keys <verb> <args>`: its last output line (a new key's secret for create and rotate)."""
+    argv = [sys.executable, "-m", "gateway", "keys", verb, *args, "--redis-url", redis_url]
     done = subprocess.run(
         argv,
         cwd=REPO_ROOT,
@@ -73,7 +73,11 @@ def new_key(redis_url: str, *flags: str) -> str:
         timeout=60,
         check=True,
     )
-    return done.stdout.strip().splitlines()[-1]
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+
+def new_key(redis_url: str, *flags: str, name: str | None = None) -> str:
+    return keys_cli(redis_url, "create", "--name", name or f"apis-{uuid.uuid4().hex[:8]}", *flags)
 
 
 @pytest.fixture(scope="module")
@@ -384,3 +388,123 @@ def test_the_gpu_checker_script_reports_all_four_calls(urls: dict[str, str], key
     assert report["responses_stream"]["events"][-1] == "response.completed"
     assert report["messages_stream"]["events"][0] == "message_start"
     assert report["messages"]["usage"]["output_tokens"] == 32 and report["responses"]["text_length"] > 0
+
+
+# --- accounting a client cannot end or dodge ---
+
+# What vLLM echoes of a Responses request in its first events, planted to look like the end and a usage.
+PLANTED = {
+    "metadata": {"type": "response.completed"},
+    "tools": [
+        {
+            "type": "function",
+            "name": "report",
+            "parameters": {"type": "object", "properties": {"usage": {"type": "object"}}},
+        }
+    ],
+}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_planted_metadata_neither_ends_a_streams_accounting_nor_frees_its_slot(
+    urls: dict[str, str], redis_url: str
+) -> None:
+    url, key = urls["on"], new_key(redis_url, "--max-concurrency", "1")
+    before = metric(url, "nemotron_gateway_api_tokens_total", 'api="responses",kind="completion"')
+    body = {"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 8, "fake_token_delay": 0.2, **PLANTED}
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, headers=bearer(key), timeout=20) as first:
+        lines = first.iter_lines()
+        assert next(lines) == "event: response.created"
+        created = orjson.loads(next(lines)[6:])
+        assert created["response"]["metadata"] == PLANTED["metadata"]  # the engine echoed it
+        # The stream still holds the key's one slot: a second request is refused.
+        second = httpx.post(f"{url}/v1/responses", json={**body, "stream": False}, headers=bearer(key), timeout=20)
+        assert second.status_code == 429, second.text
+        assert "too many requests in flight" in second.json()["error"]["message"]
+        rest = list(lines)
+    assert "event: response.completed" in rest
+    after = metric(url, "nemotron_gateway_api_tokens_total", 'api="responses",kind="completion"')
+    assert after - before == 8  # the engine's usage, not the up-front estimate
+    with oai(url, key) as sdk:  # its owner was written once it ended
+        assert sdk.responses.retrieve(created["response"]["id"]).id == created["response"]["id"]
+
+
+def test_reading_or_cancelling_a_stored_response_counts_against_the_keys_limits(
+    urls: dict[str, str], redis_url: str
+) -> None:
+    url, key = urls["on"], new_key(redis_url, "--rpm", "4", "--max-concurrency", "1")
+    made = httpx.post(
+        f"{url}/v1/responses",
+        json={"model": MODEL, "input": "Hi", "max_output_tokens": 6, "fake_token_delay": 0.2},
+        headers=bearer(key),
+        timeout=20,
+    ).json()
+    path = f"{url}/v1/responses/{made['id']}"
+    with httpx.stream("GET", f"{path}?stream=true", headers=bearer(key), timeout=20) as replay:
+        assert replay.headers["x-ratelimit-remaining-requests"] == "2"
+        lines = replay.iter_lines()
+        assert next(lines) == "event: response.created"
+        # A streamed replay holds the key's one slot until it ends.
+        busy = httpx.get(path, headers=bearer(key), timeout=20)
+        assert busy.status_code == 429 and "too many requests in flight" in busy.json()["error"]["message"]
+        assert "event: response.completed" in list(lines)
+    cancelled = httpx.post(f"{path}/cancel", headers=bearer(key), timeout=20)
+    assert cancelled.headers["x-ratelimit-remaining-requests"] == "1"
+    read = httpx.get(path, headers=bearer(key), timeout=20)
+    assert read.status_code == 200 and read.headers["x-ratelimit-remaining-requests"] == "0"
+    over = httpx.get(path, headers=bearer(key), timeout=20)
+    assert over.status_code == 429 and "requests per" in over.json()["error"]["message"]
+
+
+def test_a_key_created_again_under_a_deleted_keys_name_cannot_read_its_responses(
+    urls: dict[str, str], redis_url: str
+) -> None:
+    name = f"apis-{uuid.uuid4().hex[:8]}"
+    first = new_key(redis_url, name=name)
+    with oai(urls["on"], first) as sdk:
+        made = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    rotated = keys_cli(redis_url, "rotate", name)
+    with oai(urls["on"], rotated) as sdk:  # a new secret for the same key: its responses stay its own
+        assert sdk.responses.retrieve(made.id).id == made.id
+    keys_cli(redis_url, "delete", name)
+    again = new_key(redis_url, name=name)
+    with oai(urls["on"], again) as sdk, pytest.raises(openai.NotFoundError, match="No response found"):
+        sdk.responses.retrieve(made.id)
+
+
+@pytest.fixture(scope="module")
+def queue_bound(store_engine: FakeEngineControl, redis_url: str) -> Iterator[str]:
+    # Two places in the engine's queue, and a scrape of its gauges at start only: what the gateways admit meanwhile
+    # counts as waiting until the next scrape.
+    env = {
+        **BASE_ENV,
+        "NEMOTRON_RELAY__PROBE_INTERVAL": "60",
+        "NEMOTRON_ADMISSION__MAX_WAITING": "2",
+        "NEMOTRON_ADMISSION__ENGINE_ID": uuid.uuid4().hex,
+    }
+    with run_gateway(store_engine.base_url, redis_url, env=env) as proc:
+        url = f"http://127.0.0.1:{proc.port}"
+        wait_until(lambda: 'figure="waiting"' in httpx.get(f"{url}/metrics", timeout=5).text, timeout=10)
+        yield url
+
+
+def test_counting_tokens_takes_no_place_in_the_engines_queue_and_charges_nothing(
+    queue_bound: str, redis_url: str
+) -> None:
+    counter, writer = new_key(redis_url, "--daily-tokens", "1000"), new_key(redis_url)
+    with claude(queue_bound, counter) as sdk:
+        for _ in range(3):
+            counted = sdk.messages.count_tokens(model=MODEL, messages=HI)  # type: ignore[arg-type]
+            assert counted.input_tokens > 0
+    used = httpx.post(
+        f"{queue_bound}/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": HI},
+        headers=bearer(counter),
+        timeout=20,
+    )
+    assert used.headers["x-budget-remaining-tokens-day"] == "1000"  # nothing charged for it
+    with claude(queue_bound, writer) as sdk:  # another key's generation is not refused for them
+        assert sdk.messages.create(model=MODEL, max_tokens=2, messages=HI).usage.output_tokens == 2  # type: ignore[arg-type]
