@@ -138,15 +138,13 @@ async def test_stream_closed_midway_is_recorded_as_disconnect(
 
 
 async def test_non_stream_abandoned_during_prefill_is_recorded(engine: FakeEngineControl) -> None:
-    started = time.monotonic()
+    # A prefill longer than the test may run: only a disconnect seen during it can be recorded.
     async with httpx.AsyncClient(base_url=engine.base_url, timeout=0.3) as client:
         with pytest.raises(httpx.ReadTimeout):
-            await client.post(CHAT, json={"messages": MESSAGES, "fake_prefill_delay": 10})
+            await client.post(CHAT, json={"messages": MESSAGES, "fake_prefill_delay": 3600})
 
-    (record,) = await async_wait_until(lambda: _where(engine, "disconnected"))
+    (record,) = await async_wait_until(lambda: _where(engine, "disconnected"), within=10)
     assert not record["completed"] and record["status"] is None
-    assert record["disconnected_at"] - record["received_at"] < 2
-    assert time.monotonic() - started < 3
 
 
 async def test_die_after_closes_stream_without_done(engine: FakeEngineControl, client: httpx.AsyncClient) -> None:

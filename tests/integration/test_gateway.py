@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -235,19 +234,16 @@ def test_vllms_dead_engine_core_answer_is_a_503_with_retry_after(base_url: str, 
 # --- streaming is incremental, and disconnects reach the engine ---
 
 
-def test_stream_is_incremental(base_url: str) -> None:
-    body = chat(max_tokens=20, stream=True, fake_token_delay=0.05)
-    arrivals: list[float] = []
-    started = time.perf_counter()
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=10) as response:
+def test_stream_is_incremental(base_url: str, engine: FakeEngineControl) -> None:
+    # 20 tokens a second apart: the first data must reach the client while the engine still generates the rest (a
+    # buffered stream would bring it only once the engine had finished), and the client leaves then.
+    body = chat(max_tokens=20, stream=True, fake_token_delay=1.0)
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=30) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                arrivals.append(time.perf_counter() - started)
-    # ~1 s of generation: the first token must arrive long before the last is produced.
-    assert len(arrivals) >= 20
-    assert arrivals[-1] > 0.9
-    assert arrivals[1] < 0.4, f"first token after {arrivals[1]:.3f} s: the stream is buffered"
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        (record,) = engine.requests()
+        assert not record["completed"] and record["tokens_sent"] < 20, "the first data came once the engine finished"
+    assert first != "data: [DONE]"
 
 
 def test_client_disconnect_mid_stream_aborts_the_engine_request(base_url: str, engine: FakeEngineControl) -> None:
@@ -313,11 +309,11 @@ def test_engine_dying_mid_stream_ends_with_an_error_event(client: openai.OpenAI,
 
 
 def test_frozen_stream_ends_with_a_timeout_event(base_url: str) -> None:
-    body = chat(max_tokens=3, stream=True, fake_token_delay=10)
-    started = time.perf_counter()
+    # The engine would send its next token after the client's own read timeout: only the gateway's chunk timeout
+    # (2 s here) can end the stream with an event rather than the client giving up.
+    body = chat(max_tokens=3, stream=True, fake_token_delay=600)
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=15) as response:
         raw = b"".join(response.iter_raw())
-    assert time.perf_counter() - started < 5
     assert orjson.loads(sse_events(raw)[-1])["error"]["code"] == "engine_timeout"
 
 
@@ -421,14 +417,13 @@ def test_ready_says_which_part_is_down(orphan_gateway: str) -> None:
     assert body["redis"]["ok"] is False
 
 
-def test_engine_down_is_a_fast_503_with_retry_after(orphan_gateway: str) -> None:
-    started = time.perf_counter()
-    with openai.OpenAI(base_url=f"{orphan_gateway}/v1", api_key="unused", max_retries=0) as sdk:
+def test_engine_down_is_a_503_with_retry_after(orphan_gateway: str) -> None:
+    # Not held until the engine comes back: a request that waited would end in the SDK's timeout instead.
+    with openai.OpenAI(base_url=f"{orphan_gateway}/v1", api_key="unused", max_retries=0, timeout=10) as sdk:
         with pytest.raises(openai.InternalServerError) as caught:
             sdk.chat.completions.create(**chat())
         with pytest.raises(openai.InternalServerError):
             list(sdk.chat.completions.create(**chat(stream=True)))
-    assert time.perf_counter() - started < 2
     assert caught.value.status_code == 503
     assert caught.value.response.headers["retry-after"] == "7"
     assert "unavailable" in caught.value.message or "not ready" in caught.value.message

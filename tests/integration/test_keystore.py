@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -17,14 +16,23 @@ from gateway.auth.keys import INVALID_KEY_MESSAGE
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError, PermissionDeniedError
 from gateway.ratelimit import RedisRateLimiter
 from gateway.redis import connect_redis
-from gateway.settings import AuthSettings, Settings
+from gateway.settings import AuthSettings, RedisSettings, Settings
 from tests.procs import ServerProcess, async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(15)
 
 
-def _settings(url: str, **auth: object) -> Settings:
-    return Settings(redis_url=SecretStr(url), auth=AuthSettings.model_validate({"secret": "test-pepper", **auth}))
+def _settings(url: str, redis: RedisSettings | None = None, **auth: object) -> Settings:
+    return Settings(
+        redis_url=SecretStr(url),
+        redis=redis or RedisSettings(),
+        auth=AuthSettings.model_validate({"secret": "test-pepper", **auth}),
+    )
+
+
+# Redis deadlines past the tests' own timeout: a call on a Redis that is down must fail at once, as waiting out any
+# deadline could not end before the test is stopped.
+_PATIENT = RedisSettings(connect_timeout=60.0, socket_timeout=60.0, command_timeout=60.0)
 
 
 @pytest.fixture
@@ -56,9 +64,12 @@ async def limiter(client: redis_asyncio.Redis, settings: Settings) -> AsyncItera
 
 @pytest.fixture
 async def other_store(settings: Settings) -> AsyncIterator[KeyStore]:
-    """A second process's view: its own client (pool, pub/sub connection) and cache."""
-    connection = connect_redis(settings)
-    keys = KeyStore(connection, settings)
+    """A second process's view: its own client (pool, pub/sub connection) and cache. Its cache keeps an entry for a
+    minute, longer than a test runs (past the 1 s cap settings validation puts on it, on purpose: model_copy does
+    not validate): a change that reaches it can only have come by pub/sub."""
+    cached_long = settings.model_copy(update={"auth": settings.auth.model_copy(update={"cache_ttl": 60.0})})
+    connection = connect_redis(cached_long)
+    keys = KeyStore(connection, cached_long)
     await keys.start()
     yield keys
     await keys.stop()
@@ -132,40 +143,33 @@ async def test_disable_and_enable(store: KeyStore) -> None:
     assert (await store.authenticate(secret)).name == "alice"
 
 
-async def test_revoke_reaches_another_process_within_a_second(store: KeyStore, other_store: KeyStore) -> None:
+async def test_revoke_reaches_another_process_by_pub_sub(store: KeyStore, other_store: KeyStore) -> None:
     _, secret = await store.create("alice")
-    await other_store.authenticate(secret)  # cached there now
-    started = time.monotonic()
+    await other_store.authenticate(secret)  # cached there now, for a minute
     await store.revoke("alice")
-    await async_wait_until(lambda: _rejected(other_store, secret), within=1.0, interval=0.005)
-    # Pub/sub, not the 1 s cache TTL, did it.
-    assert time.monotonic() - started < 0.5
+    await async_wait_until(lambda: _rejected(other_store, secret), within=10, interval=0.005)
 
 
-async def test_rotate_reaches_another_process_within_a_second(store: KeyStore, other_store: KeyStore) -> None:
+async def test_rotate_reaches_another_process_by_pub_sub(store: KeyStore, other_store: KeyStore) -> None:
     key, old = await store.create("alice", KeyLimits(requests_per_minute=7))
     await other_store.authenticate(old)
-    started = time.monotonic()
     new = await store.rotate("alice")
     assert new != old
-    await async_wait_until(lambda: _rejected(other_store, old), within=1.0, interval=0.005)
-    assert time.monotonic() - started < 0.5
+    await async_wait_until(lambda: _rejected(other_store, old), within=10, interval=0.005)
     rotated = await other_store.authenticate(new)
     assert rotated.limits == key.limits and rotated.prefix == new[:9] != key.prefix
 
 
-async def test_changed_limits_reach_another_process_within_a_second(store: KeyStore, other_store: KeyStore) -> None:
+async def test_changed_limits_reach_another_process_by_pub_sub(store: KeyStore, other_store: KeyStore) -> None:
     _, secret = await store.create("alice", KeyLimits(requests_per_minute=5))
     assert (await other_store.authenticate(secret)).limits.requests_per_minute == 5
-    started = time.monotonic()
     updated = await store.set_limits("alice", KeyLimits(requests_per_minute=9), models=["m"])
     assert updated.limits.requests_per_minute == 9 and updated.models == ("m",)
 
     async def seen() -> bool:
         return (await other_store.authenticate(secret)).limits.requests_per_minute == 9
 
-    await async_wait_until(seen, within=1.0, interval=0.005)
-    assert time.monotonic() - started < 0.5
+    await async_wait_until(seen, within=10, interval=0.005)
     assert (await store.set_limits("alice", all_models=True)).models is None
 
 
@@ -281,24 +285,24 @@ def _raw(value: bytes | str) -> bytes:
 
 
 async def test_redis_down_fails_fast_and_closed() -> None:
-    settings = _settings(f"redis://127.0.0.1:{free_port()}/0")
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    settings = _settings(url)
     connection = connect_redis(settings)
     store = KeyStore(connection, settings)
+    # The calls go to a store whose deadlines outlast the test: a refused connection must fail them at once.
+    patient_connection = connect_redis(_settings(url, _PATIENT))
+    patient = KeyStore(patient_connection, _settings(url, _PATIENT))
     try:
-        started = time.monotonic()
-        await store.start()  # does not raise or hang: the gateway starts while Redis is down
+        await store.start()  # does not raise or hang (it waits one command deadline for the subscription)
         assert not store.subscribed
-        for call in (store.authenticate("sk-" + "A" * 43), store.create("alice"), store.list()):
-            began = time.monotonic()
+        for call in (patient.authenticate("sk-" + "A" * 43), patient.create("alice"), patient.list()):
             with pytest.raises(KeyStoreUnavailableError) as caught:
                 await call
-            # A refused connection fails at once (no waiting out the 1 s deadline); bounds generous for CI.
-            assert time.monotonic() - began < 3.0
             assert caught.value.status_code == 503
-        assert time.monotonic() - started < 8.0
     finally:
         await store.stop()
         await connection.aclose()
+        await patient_connection.aclose()
 
 
 @pytest.fixture
@@ -326,7 +330,7 @@ async def test_redis_outage_with_and_without_fail_open(
     private_redis: tuple[str, ServerProcess], fail_open: bool
 ) -> None:
     url, server = private_redis
-    settings = _settings(url, cache_ttl=0.1, fail_open=fail_open, fail_open_max_age=30.0)
+    settings = _settings(url, _PATIENT, cache_ttl=0.1, fail_open=fail_open, fail_open_max_age=30.0)
     connection = connect_redis(settings)
     store = KeyStore(connection, settings)
     try:
@@ -334,7 +338,6 @@ async def test_redis_outage_with_and_without_fail_open(
         assert await store.authenticate(secret) == key
         await asyncio.to_thread(server.stop)
         await asyncio.sleep(0.15)  # past the cache TTL
-        began = time.monotonic()
         if fail_open:
             assert await store.authenticate(secret) == key
         else:
@@ -343,7 +346,6 @@ async def test_redis_outage_with_and_without_fail_open(
         # A key this process never saw is refused either way.
         with pytest.raises(KeyStoreUnavailableError):
             await store.authenticate("sk-" + "B" * 43)
-        assert time.monotonic() - began < 2.0
     finally:
         await store.stop()
         await connection.aclose()

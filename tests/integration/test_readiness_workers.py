@@ -123,18 +123,16 @@ def test_a_stop_signal_to_the_pool_turns_every_worker_not_ready_at_once(
         loader.start()
     try:
         time.sleep(1.0)
-        signalled = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)  # the pool parent alone, as systemd or `nemotron-gateway up` stop it
-        answers: list[tuple[float, int | None]] = []
-        while time.monotonic() - signalled < 1.5:
-            asked = time.monotonic() - signalled
-            answers.append((asked, _ready_status(url)))
+        # The parent logs this once its signal handler has marked the pool draining, before it signals any worker:
+        # from then on every worker is not ready, however late each gets its own signal (no race with the clock).
+        wait_until(lambda: "worker processes (drain up to" in proc.log_text(), timeout=30)
+        answers = [_ready_status(url) for _ in range(6 * WORKERS)]
     finally:
         stop_load.set()
         for loader in loaders:
             loader.join(timeout=30)
-    late = [(round(asked, 3), status) for asked, status in answers if asked >= 0.1 and status not in (503, None)]
-    assert late == [], "asked 100 ms or more after the stop signal, a worker still said ready"
+    assert set(answers) <= {503, None}, f"after the pool began to stop, a worker still said ready: {answers}"
     wait_until(lambda: not proc.running, timeout=60, message="the gateway did not stop after one SIGTERM")
     assert proc.stop() == 0
 

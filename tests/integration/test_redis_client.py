@@ -202,17 +202,17 @@ async def test_a_stalled_connection_is_dropped_and_the_next_call_gets_its_own_re
     holding_proxy: tuple[_HoldingProxy, str],
 ) -> None:
     proxy, url = holding_proxy
-    client = connect_redis(Settings(redis_url=SecretStr(url), redis=RedisSettings(socket_timeout=0.2)))
+    # Every other deadline past the test's own timeout: only socket_timeout can end the held call.
+    patient = RedisSettings(socket_timeout=0.2, connect_timeout=60.0, command_timeout=60.0)
+    client = connect_redis(Settings(redis_url=SecretStr(url), redis=patient))
     echo = DirectScript(client, _ECHO)
     try:
         assert (await echo(keys=["n"], args=["before"]))[0] == b"before"
         connections = proxy.connections  # the lane's (and the pool's, had the script to be loaded)
         proxy.holding = True
-        started = time.monotonic()
         # As a read of redis-py's: a command unanswered within socket_timeout is its TimeoutError (not retried).
         with pytest.raises(RedisTimeoutError):
             await echo(keys=["n"], args=["held"])
-        assert 0.15 < time.monotonic() - started < 0.6
         proxy.holding = False
         # The held call's connection was dropped: the next one does not queue behind it, and gets its own reply.
         assert (await echo(keys=["n"], args=["after"]))[0] == b"after"
@@ -233,7 +233,9 @@ async def test_a_connection_the_server_closed_is_replaced_and_closing_the_client
     redis_clean: str,
 ) -> None:
     name = f"lane-{os.getpid()}-{time.monotonic_ns()}"
-    client = connect_redis(Settings(redis_url=SecretStr(f"{redis_clean}?client_name={name}")))
+    # Deadlines past the test's own timeout: a close that waited for one could not end before the test is stopped.
+    patient = RedisSettings(socket_timeout=60.0, connect_timeout=60.0, command_timeout=60.0)
+    client = connect_redis(Settings(redis_url=SecretStr(f"{redis_clean}?client_name={name}"), redis=patient))
     echo = DirectScript(client, _ECHO)
     killer: redis_asyncio.Redis = redis_asyncio.Redis.from_url(redis_clean)
     try:
@@ -244,11 +246,8 @@ async def test_a_connection_the_server_closed_is_replaced_and_closing_the_client
         assert (await echo(keys=["n"], args=["second"]))[0] == b"second"
         (replacement,) = _named_connections(redis_clean, name)
         assert replacement["id"] != lane["id"]
-        started = time.monotonic()
         await client.aclose()
-        assert time.monotonic() - started < 0.2
-        await asyncio.sleep(0.1)
-        assert _named_connections(redis_clean, name) == []
+        await async_wait_until(lambda: _named_connections(redis_clean, name) == [], within=10)
     finally:
         await killer.aclose()
         await close_redis(client)
