@@ -305,8 +305,8 @@ class SSERelay:
                     if not chunk:
                         continue
                 ends = False
-                for mark in self._read_marks:
-                    if mark in chunk:
+                for mark in self._read_marks:  # `find`, as on the straight path: cheaper than `in` per chunk
+                    if chunk.find(mark) >= 0:
                         chunk, ends = self._read_events(chunk)
                         break
                 if ends:
