@@ -252,7 +252,7 @@ def test_a_tool_call_comes_back_as_a_function_call_item(stack: Stack, demo_model
 
 def test_the_gpu_checker_script_passes_against_the_cpu_engine(stack: Stack) -> None:
     done = subprocess.run(
-        [sys.executable, "loadtest/gpu/apis.py", "--url", stack.gateway, "--key", stack.key, "--max-tokens", "8"],
+        [sys.executable, "tests/gpu/apis.py", "--url", stack.gateway, "--key", stack.key, "--max-tokens", "8"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 """The Responses API and Anthropic's Messages API checked through a running gateway, with the standard library only
 (the GPU machine has neither the openai nor the anthropic package).
 
-`python3 loadtest/gpu/apis.py --url http://127.0.0.1:8000 --key sk-... [--model nemotron] [--max-tokens 32]`
+`python3 tests/gpu/apis.py --url http://127.0.0.1:8000 --key sk-... [--model nemotron] [--max-tokens 32]`
 runs one Responses stream, one Responses answer, one Messages stream and one Messages answer and prints one JSON
 line: for each, the HTTP status, the event names seen in order (streams), the text length, the usage and any
 error. Exit status 0 when all four finished well, 1 otherwise. Imports nothing from `gateway`.

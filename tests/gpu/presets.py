@@ -127,7 +127,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.gpu.presets")
+    parser = argparse.ArgumentParser(prog="python -m tests.gpu.presets")
     steps = parser.add_subparsers(dest="step", required=True)
     template = steps.add_parser("template", help="add Nemotron 3's enable_thinking ending to a model's template")
     template.add_argument("model_dir")

@@ -376,7 +376,7 @@ def test_the_access_log_and_route_labels_name_the_api(
 
 def test_the_gpu_checker_script_reports_all_four_calls(urls: dict[str, str], key: str) -> None:
     done = subprocess.run(
-        [sys.executable, "loadtest/gpu/apis.py", "--url", urls["on"], "--key", key, "--model", MODEL],
+        [sys.executable, "tests/gpu/apis.py", "--url", urls["on"], "--key", key, "--model", MODEL],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

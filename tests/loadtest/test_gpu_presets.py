@@ -10,7 +10,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from loadtest.gpu import presets
+from tests.gpu import presets
 
 pytestmark = pytest.mark.timeout(30)
 
