@@ -22,7 +22,7 @@ from typing import Any, ParamSpec
 P = ParamSpec("P")
 
 
-class _InstantSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]  # an alias of the platform's
+class _InstantSelector(selectors.DefaultSelector):
     """The platform's selector, polled without blocking: a wait with a timeout moves the loop's clock instead."""
 
     def __init__(self, loop: VirtualClockLoop) -> None:

@@ -50,11 +50,10 @@ async def test_a_refusal_during_the_start_stops_the_engine_and_ends_in_failed(tm
         time.sleep(0.5)
         return REFUSAL
 
-    supervisor, ready_at = _supervisor(tmp_path, startup_delay=30.0, preflight=refuse)
-    started = time.monotonic()
-    code = await asyncio.wait_for(supervisor.run(), timeout=20)
+    # The engine's start-up outlasts the test: a run that went on for it could not end within the wait.
+    supervisor, ready_at = _supervisor(tmp_path, startup_delay=3600.0, preflight=refuse)
+    code = await asyncio.wait_for(supervisor.run(), timeout=30)
     assert code == 2
-    assert time.monotonic() - started < 10, "the start went on for the engine's whole start-up"
     assert ready_at == []
     assert supervisor.process is not None and group_members(supervisor.process.pid) == []
     final = status(tmp_path)
