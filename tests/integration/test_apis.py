@@ -214,7 +214,7 @@ def test_a_frozen_engine_ends_responses_and_messages_streams_with_a_timeout_even
         key,
         {"model": MODEL, "messages": HI, "stream": True, "max_tokens": 3, "fake_token_delay": 10},
     )
-    assert orjson.loads(blocks(raw)[-1].split(b"\n")[1][6:])["error"]["type"] == "api_error"
+    assert orjson.loads(blocks(raw)[-1].split(b"\n")[1][6:])["error"]["type"] == "timeout_error"
 
 
 def test_a_client_leaving_a_responses_stream_closes_the_engine_request(
