@@ -1,6 +1,6 @@
 """The composition root: create_app(settings) builds the FastAPI app, its lifespan, middleware and handlers.
 
-Nothing imports this module but `gateway.server`, which runs it under uvicorn.
+Nothing imports this module but `gateway.http.server`, which runs it under uvicorn.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import ClientDisconnect
 
 from gateway import __version__
+from gateway.api import RouteTable, health, relayed, scrape
+from gateway.api.validation import param_path
 from gateway.errors import GatewayError, InternalError, InvalidRequestError
-from gateway.metrics import GatewayMetrics
-from gateway.middleware import ForwardedClientMiddleware, RequestContextMiddleware
-from gateway.relay.engine_state import SharedEngineState
-from gateway.routes import RouteTable, health, metrics, openai
+from gateway.http.middleware import ForwardedClientMiddleware, RequestContextMiddleware
+from gateway.metrics.instruments import GatewayMetrics
+from gateway.relay.readiness import SharedEngineState
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.types import Receive, Scope, Send
-from gateway.validation import param_path
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class _Dispatcher:
         request = Request(scope, receive, send)
         try:
             if route.relayed is not None:
-                response = await openai.relay(request, route.relayed)
+                response = await relayed.relay(request, route.relayed)
             else:
                 assert route.handler is not None
                 response = await route.handler(request)
@@ -131,9 +131,9 @@ def create_app(settings: Settings | None = None, shared: SharedEngineState | Non
         redoc_url=None,
         openapi_url=None,
     )
-    app.include_router(openai.router)
+    app.include_router(relayed.router)
     app.include_router(health.router)
-    app.include_router(metrics.router)
+    app.include_router(scrape.router)
     app.add_exception_handler(GatewayError, _on_gateway_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(Exception, _on_unexpected_error)

@@ -23,9 +23,9 @@ from pydantic_settings import SettingsError
 
 from gateway import __version__
 from gateway.engine.flags import add_engine_arguments, engine_overrides
-from gateway.multiproc import shared_metrics
+from gateway.http.workers import usable_cores
+from gateway.metrics.multiprocess import shared_metrics
 from gateway.settings import Settings, unknown_variables
-from gateway.workers import usable_cores
 
 logger = logging.getLogger("gateway")
 
@@ -37,7 +37,7 @@ _DEMO_MODEL_WRITER = Path(__file__).resolve().parent.parent / "tools" / "demo_mo
 
 # The module that runs each verb (and, for `keys` and `doctor`, declares its flags), imported on demand.
 _VERB_MODULES = {
-    "serve": "gateway.server",
+    "serve": "gateway.http.server",
     "engine": "gateway.supervisor.cli",
     "up": "gateway.supervisor.cli",
     "keys": "gateway.auth.cli",

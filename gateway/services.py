@@ -13,15 +13,15 @@ import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
 from gateway.auth import KeyStore, ResponseOwners
-from gateway.exposition import Exposition
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.exposition import Exposition
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.ratelimit import EngineAdmission, FailedAuthGuard, RedisRateLimiter
 from gateway.redis import close_redis, connect_redis
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
-from gateway.relay.engine_state import SharedEngineState
 from gateway.relay.exchange import EngineRelay
 from gateway.relay.monitor import EngineMonitor
+from gateway.relay.readiness import SharedEngineState
 from gateway.relay.served_model import ModelOverrides
 from gateway.settings import Settings
 

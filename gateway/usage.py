@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import redis.asyncio as redis_asyncio
 
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.redis import RedisCalls
 from gateway.settings import Settings
 

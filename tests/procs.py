@@ -20,10 +20,10 @@ from typing import Any, Self, TypeVar, overload
 
 import httpx
 
-from gateway.client_limits import ClientLimits
+from gateway.http.client_limits import ClientLimits
+from gateway.http.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
 from gateway.settings import Settings
 from gateway.types import ASGIApp
-from gateway.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
 from loadtest.processes import LoggedProcess, ProcessStartError, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

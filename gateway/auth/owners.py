@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import redis.asyncio as redis_asyncio
 
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.redis import RedisCalls
 from gateway.settings import Settings
 

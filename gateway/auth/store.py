@@ -40,7 +40,7 @@ from gateway.auth.keys import (
 )
 from gateway.auth.record import fields_to_key, key_to_fields, limit_fields, optional_int, pairs
 from gateway.errors import AuthenticationError, InvalidRequestError, KeyStoreUnavailableError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.redis import DirectScript, PubSubListener, RedisCalls
 from gateway.settings import Settings
 

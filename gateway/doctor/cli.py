@@ -20,7 +20,7 @@ from gateway.doctor.report import exit_code, render_json, render_table
 from gateway.doctor.runner import doctor_config, run_checks
 from gateway.engine.presets import engine_profile
 from gateway.engine.profiles import ProfileError
-from gateway.engine.state import RUNNING_ENV, STATUS_FILE
+from gateway.engine.supervisor_state import RUNNING_ENV, STATUS_FILE
 from gateway.settings import Settings
 
 

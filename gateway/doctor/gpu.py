@@ -16,7 +16,7 @@ from pathlib import Path
 from gateway.doctor import rows
 from gateway.doctor.check import NO_GPU, Check, failed, gib, passed, skipped, warned
 from gateway.doctor.fatbin import cuda_archs
-from gateway.doctor.nvml import GpuReadings
+from gateway.engine.nvml import GpuReadings
 from gateway.engine.presets import GpuNeeds
 
 # Lowest driver branch for each CUDA toolkit version (NVIDIA's CUDA release notes, table 3).

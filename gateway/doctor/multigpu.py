@@ -15,8 +15,8 @@ from pathlib import Path
 
 from gateway.doctor import rows
 from gateway.doctor.check import Check, failed, gib, passed, skipped, warned
-from gateway.doctor.nvml import GpuDevice, GpuLink, GpuReadings, Topology
 from gateway.engine.launch import MULTICAST_OFF
+from gateway.engine.nvml import GpuDevice, GpuLink, GpuReadings, Topology
 
 _TRUE = frozenset(("1", "true", "yes", "on"))
 _SYS_NET = Path("/sys/class/net")

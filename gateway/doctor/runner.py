@@ -69,9 +69,9 @@ from gateway.doctor.multigpu import (
     node_of,
     process_name,
 )
-from gateway.doctor.nvml import GpuDevice, GpuReadings, device_nodes, open_error, read_gpus, visible
 from gateway.doctor.running import RunningEngine, running_engine
 from gateway.engine.launch import added_variables, engine_environment, engine_python
+from gateway.engine.nvml import GpuDevice, GpuReadings, device_nodes, open_error, read_gpus, visible
 from gateway.engine.presets import GpuNeeds, load_presets, select_preset
 from gateway.engine.profiles import Profile, build_argv
 from gateway.settings import Settings, masked_redis_url

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis_asyncio
 
-from gateway.engine.state import STATUS_FILE, launched_sequence_slots
+from gateway.engine.supervisor_state import STATUS_FILE, launched_sequence_slots
 from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.redis import DirectScript, RedisCalls
 from gateway.settings import AdmissionSettings, Settings
 

@@ -8,7 +8,7 @@ tokens/min, so they cost no extra round trip. Imports errors, metrics, gateway.u
 from __future__ import annotations
 
 from gateway.errors import QuotaExceededError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.ratelimit.limiter import EffectiveLimits, Lease, format_reset
 from gateway.usage import BudgetWindows
 

@@ -18,7 +18,7 @@ import time
 import redis.asyncio as redis_asyncio
 
 from gateway.errors import AddressBlockedError, KeyStoreUnavailableError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.redis import DirectScript, PubSubListener, RedisCalls
 from gateway.settings import Settings
 

@@ -37,7 +37,7 @@ import redis.asyncio as redis_asyncio
 
 from gateway.background import BackgroundTask, Backoff
 from gateway.errors import KeyStoreUnavailableError, RateLimitError, RequestOverLimitError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.ratelimit import lua
 from gateway.ratelimit.budgets import budget_args, budget_headers, charge_budget, quota_refusal, report_budget
 from gateway.ratelimit.limiter import (

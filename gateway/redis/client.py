@@ -39,7 +39,7 @@ from redis.maint_notifications import MaintNotificationsConfig
 from gateway.background import BackgroundTask, Backoff
 from gateway.deadline import deadline
 from gateway.errors import KeyStoreUnavailableError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.redis.script_lane import inline_writes
 from gateway.settings import RedisSettings, Settings, parse_redis_url
 

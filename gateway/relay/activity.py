@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from gateway.relay.engine_state import SharedEngineState
+from gateway.relay.readiness import SharedEngineState
 
 
 class Abortable(Protocol):

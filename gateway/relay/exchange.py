@@ -30,7 +30,7 @@ from gateway.errors import (
     EngineUnavailableError,
     GatewayError,
 )
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import (
     ENGINE_KEY_MESSAGE,

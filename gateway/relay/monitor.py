@@ -11,7 +11,7 @@ waiting on a hung engine. Readiness must not flap under load, and must mean "it 
   /health stays 200 while its engine core hangs;
 - never down for a late /health alone: a saturated engine answers /health late while it streams.
 
-Readiness is one fact per gateway (see gateway/relay/engine_state.py): the verdict lives in the gateway's
+Readiness is one fact per gateway (see gateway/relay/readiness.py): the verdict lives in the gateway's
 SharedEngineState, and the worker holding the probe turn is the only one that probes /health and sends the
 idle generation probe; the others read the verdict (no I/O) and take the turn over when its holder stops
 renewing it. So every worker answers /ready, and admits or refuses a request, the same way. A worker that
@@ -42,12 +42,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway.background import BackgroundTask
-from gateway.engine.state import PRIORITY, STATUS_FILE, launched_policy
+from gateway.engine.supervisor_state import PRIORITY, STATUS_FILE, launched_policy
 from gateway.errors import EngineCredentialsError, EngineRefusedError, EngineUnavailableError, GatewayError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
-from gateway.relay.engine_state import (
+from gateway.relay.readiness import (
     HEALTH_STATUS,
     HEALTHY,
     KEY_REFUSED,

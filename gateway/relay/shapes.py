@@ -3,7 +3,7 @@
 Chat and text completions end a stream with `data: [DONE]` and carry errors in OpenAI's envelope; the
 Responses API ends with a terminal `response.*` event and reports a failure as an `event: error`; the
 Anthropic Messages API ends with `message_stop` and speaks Anthropic's error envelope, the engine's error answers
-included. A route declares its shape (gateway/routes/table.py); the relay and the dispatcher read it. Imports errors
+included. A route declares its shape (gateway/api/table.py); the relay and the dispatcher read it. Imports errors
 only.
 """
 

@@ -8,7 +8,7 @@ recorded as engine progress (one timestamp) for the engine monitor, which can al
 the engine stuck. Speaks raw ASGI; imports no web framework and no HTTP client (the engine's bytes come
 through `UpstreamResponse.read_chunk`, errors already mapped).
 
-Where the server offers a `BodyWriter` in the scope (gateway/uvicorn_internals.py does), plain content is
+Where the server offers a `BodyWriter` in the scope (gateway/http/uvicorn_internals.py does), plain content is
 relayed from the engine connection's data callback straight to the client connection, below ASGI's
 per-message path: no task wake-up, no send() through the middleware chain (~20 µs a chunk on the per-message
 path against nginx's ~10, measured by `python -m loadtest.overhead`), and the chunks of one read from the engine
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.errors import EngineTimeoutError, EngineUnavailableError, GatewayError, ServiceUnavailableError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect

@@ -31,8 +31,8 @@ from gateway.doctor import Check, doctor_config, fatal_failures, render_table, r
 from gateway.engine.launch import ENGINE_KEY_VARIABLE, VllmNotInstalled, added_variables, prepare, unchecked_argv
 from gateway.engine.presets import load_presets
 from gateway.engine.profiles import Profile, ProfileError, load_profiles, option_names
-from gateway.engine.state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
-from gateway.metrics import SupervisorMetrics
+from gateway.engine.supervisor_state import RUNNING_ENV, STATUS_FILE, EngineState, EngineStatus, pid_alive, read_status
+from gateway.metrics.instruments import SupervisorMetrics
 from gateway.settings import EngineSettings, Settings
 from gateway.supervisor.process import GuardedProcess, process_names
 from gateway.supervisor.supervisor import EngineSupervisor

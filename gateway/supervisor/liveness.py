@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.engine.state import RestartCause
+from gateway.engine.supervisor_state import RestartCause
 from gateway.settings import EngineSettings
 
 logger = logging.getLogger(__name__)

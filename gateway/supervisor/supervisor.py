@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 
 from gateway.doctor.check import gib
-from gateway.doctor.nvml import GpuReadings, read_gpus
 from gateway.engine.launch import ENGINE_KEY_VARIABLE
-from gateway.engine.state import (
+from gateway.engine.nvml import GpuReadings, read_gpus
+from gateway.engine.supervisor_state import (
     DATA_PARALLEL_FLAG,
     STATUS_FILE,
     TENSOR_PARALLEL_FLAG,
@@ -39,7 +39,7 @@ from gateway.engine.state import (
     scheduling_policy,
     sequence_slots,
 )
-from gateway.metrics import SupervisorMetrics
+from gateway.metrics.instruments import SupervisorMetrics
 from gateway.settings import EngineSettings
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, Verdict
 from gateway.supervisor.process import GuardedProcess, MemberWatch, process_names

@@ -80,7 +80,7 @@ def role_of(command: str) -> str | None:
         return None  # a process-group guard: it only waits on the process it runs
     if "EngineCore" in command or "VLLM::Worker" in command:
         return "engine-core"
-    if "gateway serve" in command or "gateway.server" in command:
+    if "gateway serve" in command or "gateway.http.server" in command:
         return "gateway"
     if "vllm" in command.lower() and ("api_server" in command or "APIServer" in command or " serve" in command):
         return "vllm-api"

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 
 from tests.e2e.supervised import engine_env, status, up_process
 from tests.faults.conftest import GATEWAY_ENV, create_key
-from tests.procs import REPO_ROOT, free_port
+from tests.procs import REPO_ROOT, async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,42 +160,88 @@ def test_admission_refuses_lowest_priority_first_exactly_across_two_workers(tmp_
         assert 'nemotron_gateway_engine_load{figure="waiting"}' in metrics
 
 
-def test_reserved_slots_let_the_most_urgent_tier_start_at_once_while_lower_tiers_are_refused(
-    tmp_path: Path, redis_url: str
-) -> None:
-    # Five sequence slots (the supervisor records the launched --max-num-seqs), three kept for priority 0: the
-    # batch tier may hold at most two, the two urgent requests take two more, and one stays free for the
-    # supervisor's liveness probe. Without the reserve five batch requests would run, one wait, and the urgent
-    # ones would wait ~4 s behind them (vLLM hands a slot to a waiting request only when a running one ends).
+# The batch tier's requests would hold their sequence slots for longer than an urgent client waits: an urgent
+# request that had to wait for one of them to end could not be answered at all (httpx.ReadTimeout), only one that
+# started at once.
+BATCH_PREFILL = 600.0
+URGENT_CLIENT_TIMEOUT = 30.0
+# The urgent tier's answer beside the batch flood (a 0.2 s prefill, max_tokens 1): typically well under a second.
+URGENT_BOUND = 5.0
+
+
+@dataclass
+class ReserveRun:
+    refused: list[httpx.Response]  # the batch tier's answers (the rest of its six requests are at the engine)
+    admitted: int  # batch requests the engine got
+    urgent_seconds: list[float]  # each urgent request's answer, from its send
+    metrics: str
+
+
+def _reserve_run(tmp_path: Path, redis_url: str) -> ReserveRun:
+    """Five sequence slots, three kept for priority 0; six batch requests (priority 3), then two urgent ones."""
     env = {"NEMOTRON_WORKERS": "2", "NEMOTRON_ADMISSION__RESERVED_SEQS": "3"}
-    with stack(tmp_path, redis_url, ["--max-num-seqs", "5"], **env) as (gateway_url, _engine_url):
+    with stack(tmp_path, redis_url, ["--max-num-seqs", "5"], **env) as (gateway_url, engine_url):
         assert status(tmp_path / "state")["sequence_slots"] == 5
         interactive, batch = key(redis_url, "--priority", "0"), key(redis_url, "--priority", "3")
+        url = f"{gateway_url}/v1/chat/completions"
 
-        async def loads() -> tuple[list[httpx.Response], list[float]]:
-            batch_burst = asyncio.ensure_future(_burst(gateway_url, batch, 6, fake_prefill_delay=4.0))
-            await asyncio.sleep(1.0)
+        async def run() -> ReserveRun:
             async with httpx.AsyncClient(timeout=60) as client:
 
-                async def timed() -> float:
+                async def batch_at_engine() -> int:
+                    records = (await client.get(f"{engine_url}/_test/requests")).json()
+                    return sum(r["body"].get("fake_prefill_delay") == BATCH_PREFILL for r in records)
+
+                flood = chat(fake_prefill_delay=BATCH_PREFILL)
+                batch_posts = [asyncio.create_task(client.post(url, json=flood, headers=batch)) for _ in range(6)]
+                # Every batch request judged (answered, or running at the engine) before the urgent ones are sent.
+                admitted = 0
+
+                async def all_judged() -> bool:
+                    nonlocal admitted
+                    admitted = await batch_at_engine()
+                    return admitted + sum(post.done() for post in batch_posts) == 6
+
+                await async_wait_until(all_judged, within=30, interval=0.1, message="batch requests not judged")
+
+                async def urgent() -> float:
                     started = time.monotonic()
                     response = await client.post(
-                        f"{gateway_url}/v1/chat/completions", json=chat(fake_prefill_delay=0.2), headers=interactive
+                        url, json=chat(fake_prefill_delay=0.2), headers=interactive, timeout=URGENT_CLIENT_TIMEOUT
                     )
                     assert response.status_code == 200, response.text
                     return time.monotonic() - started
 
-                urgent = await asyncio.gather(timed(), timed())
-            return await batch_burst, list(urgent)
+                urgent_seconds = list(await asyncio.gather(urgent(), urgent()))
+                refused = [post.result() for post in batch_posts if post.done()]
+                for post in batch_posts:
+                    post.cancel()
+                await asyncio.gather(*batch_posts, return_exceptions=True)
+                metrics = (await client.get(f"{gateway_url}/metrics")).text
+            return ReserveRun(refused, admitted, urgent_seconds, metrics)
 
-        batch_answers, urgent_seconds = asyncio.run(loads())
-        codes = [r.status_code for r in batch_answers]
-        assert 1 <= codes.count(200) <= 2 and codes.count(429) == 6 - codes.count(200), codes
-        error = next(r for r in batch_answers if r.status_code == 429).json()["error"]
-        assert error["code"] == "engine_queue_full" and "sequence slots" in error["message"]
-        assert max(urgent_seconds) < 2.5, urgent_seconds
-        metrics = httpx.get(f"{gateway_url}/metrics").text
-        assert 'nemotron_gateway_admission_refused_total{reason="slots",tier="2"}' in metrics
+        return asyncio.run(run())
+
+
+def test_reserved_slots_let_the_most_urgent_tier_start_at_once_while_lower_tiers_are_refused(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # The batch tier may hold at most two of the five slots, the two urgent requests take two more, and one stays
+    # free for the supervisor's liveness probe. Without the reserve five batch requests would run, one wait, and
+    # the urgent ones would wait behind them (vLLM hands a slot to a waiting request only when a running one ends):
+    # here for longer than their client's timeout.
+    outcome = _reserve_run(tmp_path, redis_url)
+    assert 1 <= outcome.admitted <= 2 and len(outcome.refused) == 6 - outcome.admitted, outcome
+    assert [r.status_code for r in outcome.refused] == [429] * len(outcome.refused)
+    error = outcome.refused[0].json()["error"]
+    assert error["code"] == "engine_queue_full" and "sequence slots" in error["message"]
+    assert 'nemotron_gateway_admission_refused_total{reason="slots",tier="2"}' in outcome.metrics
+
+
+@pytest.mark.perf
+def test_the_urgent_tier_is_answered_promptly_beside_a_batch_flood(tmp_path: Path, redis_url: str) -> None:
+    outcome = _reserve_run(tmp_path, redis_url)
+    assert max(outcome.urgent_seconds) < URGENT_BOUND, outcome.urgent_seconds
 
 
 def test_a_full_kv_cache_is_a_503_and_vllms_own_refusal_keeps_the_envelope(tmp_path: Path, redis_url: str) -> None:

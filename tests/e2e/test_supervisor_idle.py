@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.engine.state import EngineState
+from gateway.engine.supervisor_state import EngineState
 from gateway.settings import Settings
 from gateway.supervisor.cli import _build_supervisor
 from gateway.supervisor.process import GuardedProcess

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.engine.state import EngineState, EngineStatus
+from gateway.engine.supervisor_state import EngineState, EngineStatus
 from gateway.settings import EngineSettings
 from gateway.supervisor.process import group_members
 from gateway.supervisor.supervisor import EngineSupervisor

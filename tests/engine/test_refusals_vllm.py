@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import anthropic
 import pytest
 
-from gateway.routes import SERVED
-from gateway.routes.openai import PRIORITY_HEADER
+from gateway.api import SERVED
+from gateway.api.relayed import PRIORITY_HEADER
 from tests.engine.conftest import CACHE_ROOT
 from tests.engine.stacks import running_up, up_settings
 from tests.procs import REPO_ROOT, free_port

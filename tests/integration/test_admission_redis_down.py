@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import KeyStoreUnavailableError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.ratelimit import EngineAdmission
 from gateway.redis import close_redis, connect_redis
 from gateway.settings import Settings

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.engine.state import STATUS_FILE, EngineStatus
+from gateway.engine.supervisor_state import STATUS_FILE, EngineStatus
 from gateway.errors import EngineQueueFullError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.ratelimit import EngineAdmission
 from gateway.ratelimit.admission import EngineLoad
 from gateway.redis import close_redis, connect_redis

@@ -1,9 +1,12 @@
 """The package's dependency rules, checked on the source (an AST scan, nothing imported).
 
-The engine side has floors, bottom first: the leaves (settings, errors, metrics, the request record, the shared
-types, deadlines), the engine package (what we know about the engine: profiles, presets, flags, argv and
-environment, status file), its users (the supervisor that runs vLLM, the doctor, the relay, the reasoning switch),
-and the command line on top. An import runs down or sideways, never up. A failure lists every offending
+The package has floors, bottom first: the leaves (settings, errors, the metric instruments, the request record, the
+shared types, deadlines, the background task), the foundations (the engine package: what we know about vLLM; the
+Redis boundary; the usage counters that keys and limits both read), the services (keys, limits, the relay, the
+supervisor, the doctor, the scrape answers), the services container, the API layer (routes, validation, schemas),
+the composition root (the app and its middleware), the HTTP edge (server, workers, the fenced uvicorn internals)
+and the command line on top. An import runs down or sideways, never up; rules between neighbours on one floor
+follow. A failure lists every offending
 `file:line`, so the fix is in the code, not in this test.
 """
 
@@ -29,40 +32,40 @@ PACKAGE = ROOT / "gateway"
 LEAVES = (
     "gateway/settings.py",
     "gateway/errors.py",
-    "gateway/metrics.py",
+    "gateway/metrics/instruments.py",
     "gateway/request_record.py",
     "gateway/types.py",
     "gateway/deadline.py",
+    "gateway/background.py",
 )
-OPTIONAL_LEAVES = ("gateway/engine/state.py",)
+OPTIONAL_LEAVES = ("gateway/engine/supervisor_state.py",)
+FOUNDATIONS = ("gateway/engine/", "gateway/redis/", "gateway/usage.py")
 SERVICES = (
     "gateway/auth/",
     "gateway/ratelimit/",
     "gateway/relay/",
-    "gateway/engine/",
     "gateway/supervisor/",
     "gateway/doctor/",
+    "gateway/metrics/",
 )
-WEB_LAYER = ("fastapi", "starlette", "gateway.routes", "gateway.app")
+WEB_LAYER = ("fastapi", "starlette", "gateway.api", "gateway.app", "gateway.http", "gateway.services")
 ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/engine/", "gateway/supervisor/", "gateway/doctor/")
 # The doctor checks what the supervisor would start: settings, errors, its own modules and the engine package
-# (profiles and the argv builder, the status file); nothing of the request path but the one Redis client
-# factory (its Redis row connects as the gateway does: plain or Sentinel).
+# (profiles and the argv builder, the status file, NVML); nothing of the request path but the one Redis boundary
+# (its Redis row connects as the gateway does: plain or Sentinel).
 DOCTOR_MAY_IMPORT = ("gateway.settings", "gateway.redis", "gateway.errors", "gateway.doctor", "gateway.engine")
 # The command line: it starts things, so it alone may import the supervisor (its entry modules included).
 CLI_LAYER = ("gateway/cli.py", "gateway/__main__.py", "gateway/supervisor/__main__.py", "gateway/doctor/__main__.py")
-ENGINE_USERS = (
-    "gateway/supervisor/",
-    "gateway/doctor/",
-    "gateway/relay/",
-    "gateway/reasoning.py",
-    "gateway/multiproc.py",
-)
 # Bottom first; a module sits on the highest floor that names it (an exact file before its package).
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", LEAVES),
-    ("engine package", ("gateway/engine/",)),
-    ("engine users", ENGINE_USERS),
+    ("foundations", FOUNDATIONS),
+    ("services", SERVICES),
+    ("services container", ("gateway/services.py",)),
+    ("API layer", ("gateway/api/",)),
+    # The app assembles the middleware, which reads only leaves: it sits beside the app, under the server.
+    ("composition root", ("gateway/app.py", "gateway/http/middleware.py")),
+    ("HTTP edge", ("gateway/http/",)),
     ("command line", CLI_LAYER),
 )
 # What the engine package reads: settings (its one input), errors and itself; nothing that runs or serves.
@@ -171,11 +174,11 @@ def test_the_scan_sees_the_package() -> None:
     assert len(_source_files()) >= 15
     # Known edges, so a broken resolver cannot make every rule pass vacuously.
     edges = {(i.file, i.module) for i in imports}
-    assert ("gateway/app.py", "gateway.routes.openai") in edges
+    assert ("gateway/app.py", "gateway.api.relayed") in edges
     assert ("gateway/relay/sse.py", "gateway.relay.client") in edges
-    assert ("gateway/server.py", "gateway.app") in edges
-    assert ("gateway/server.py", "gateway.uvicorn_internals") in edges
-    assert ("gateway/uvicorn_internals.py", "gateway.client_limits") in edges
+    assert ("gateway/http/server.py", "gateway.app") in edges
+    assert ("gateway/http/server.py", "gateway.http.uvicorn_internals") in edges
+    assert ("gateway/http/uvicorn_internals.py", "gateway.http.client_limits") in edges
     assert ("gateway/relay/client.py", "gateway.relay.http1") in edges
 
 
@@ -246,9 +249,13 @@ def test_the_floors_name_real_files_and_known_edges_run_down() -> None:
         for place in places:
             assert (ROOT / place).exists(), place
     assert _floor("gateway/engine/launch.py") == 1 and _floor("gateway/supervisor/supervisor.py") == 2
-    assert _floor("gateway/supervisor/__main__.py") == 3 and _floor("gateway/routes/openai.py") is None
+    assert _floor("gateway/supervisor/__main__.py") == 7 and _floor("gateway/api/relayed.py") == 4
     assert _floor("gateway/types.py") == 0 and _floor("gateway/relay/http1.py") == 2
-    assert _floor("gateway/relay/disconnect.py") == 2 and _floor("gateway/relay/engine_state.py") == 2
+    assert _floor("gateway/metrics/instruments.py") == 0 and _floor("gateway/metrics/exposition.py") == 2
+    assert _floor("gateway/http/middleware.py") == 5 and _floor("gateway/http/server.py") == 6
+    assert _floor("gateway/__init__.py") is None
+    every_module = [_rel(p) for p in _source_files() if p.name != "__init__.py"]
+    assert [f for f in every_module if _floor(f) is None] == [], "a module on no floor"
     edges = {(i.file, i.module) for i in _all_imports()}
     assert ("gateway/supervisor/supervisor.py", "gateway.engine.launch") in edges
     assert ("gateway/doctor/runner.py", "gateway.engine.profiles") in edges
@@ -263,11 +270,16 @@ def test_the_floor_check_catches_an_upward_import() -> None:
     probes = (
         Import("gateway/engine/launch.py", 1, "gateway.supervisor.process", False),
         Import("gateway/doctor/runner.py", 2, "gateway.cli", False),
-        Import("gateway/settings.py", 3, "gateway.engine.state", False),
+        Import("gateway/settings.py", 3, "gateway.engine.supervisor_state", False),
         Import("gateway/cli.py", 4, "gateway.engine.flags", False),  # down: allowed
         Import("gateway/supervisor/cli.py", 5, "gateway.doctor", False),  # sideways: allowed
+        Import("gateway/relay/exchange.py", 6, "gateway.services", False),
+        Import("gateway/services.py", 7, "gateway.api.context", False),
+        Import("gateway/api/validation.py", 8, "gateway.http.middleware", False),
+        Import("gateway/app.py", 9, "gateway.http.middleware", False),  # beside: allowed
+        Import("gateway/http/middleware.py", 10, "gateway.http.server", False),
     )
-    assert [v.split(":")[1] for v in _upward(probes)] == ["1", "2", "3"]
+    assert [v.split(":")[1] for v in _upward(probes)] == ["1", "2", "3", "6", "7", "8", "10"]
 
 
 def test_the_engine_package_imports_only_settings_errors_and_itself() -> None:
@@ -410,18 +422,30 @@ def test_the_outsider_check_catches_a_name_only_a_test_uses(tmp_path: Path) -> N
 
 def test_nothing_but_the_server_imports_the_app() -> None:
     violations = [
-        str(i) for i in _all_imports() if i.file != "gateway/server.py" and _is_within(i.module, ("gateway.app",))
+        str(i) for i in _all_imports() if i.file != "gateway/http/server.py" and _is_within(i.module, ("gateway.app",))
     ]
     assert not violations, _report(violations)
 
 
-def test_only_the_app_imports_routes() -> None:
+def test_only_the_supervisor_and_the_command_line_run_the_doctor() -> None:
+    """The doctor is a preflight the supervisor runs and a verb of the command line; what it reads of the machine
+    (NVML, the engine's flags) lives in the engine package, where the scrape answers read it too."""
+    violations = [
+        str(i)
+        for i in _all_imports()
+        if _is_within(i.module, ("gateway.doctor",))
+        and not _in(i.file, ("gateway/doctor/", "gateway/supervisor/", *CLI_LAYER))
+    ]
+    assert not violations, _report(violations)
+
+
+def test_only_the_app_imports_the_api_layer() -> None:
     violations = [
         str(i)
         for i in _all_imports()
         if i.file != "gateway/app.py"
-        and not _in(i.file, ("gateway/routes/",))  # the package's own modules
-        and _is_within(i.module, ("gateway.routes",))
+        and not _in(i.file, ("gateway/api/",))  # the package's own modules
+        and _is_within(i.module, ("gateway.api",))
     ]
     assert not violations, _report(violations)
 
@@ -433,7 +457,7 @@ def test_only_the_uvicorn_internals_module_imports_uvicorns_protocols_or_server(
     violations = [
         str(i)
         for i in _all_imports()
-        if i.file != "gateway/uvicorn_internals.py" and (_is_within(i.module, internal) or i.module == "uvicorn")
+        if i.file != "gateway/http/uvicorn_internals.py" and (_is_within(i.module, internal) or i.module == "uvicorn")
     ]
     assert not violations, _report(violations)
 
@@ -607,7 +631,7 @@ def test_the_engine_entry_point_loads_no_web_stack() -> None:
     probe = f"import sys, json, {module}, gateway.supervisor.cli; print(json.dumps(sorted(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=25)
     assert result.returncode == 0, result.stderr
-    web = ("fastapi", "starlette", "aiohttp", "uvicorn", "gateway.app", "gateway.relay", "gateway.routes")
+    web = ("fastapi", "starlette", "aiohttp", "uvicorn", "gateway.app", "gateway.relay", "gateway.api")
     loaded = [name for name in json.loads(result.stdout) if name.startswith(web)]
     assert loaded == [], f"{module} loads {loaded}"
 

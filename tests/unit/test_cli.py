@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the web app brings: ~0.6 s of imports that `keys list` must not pay.
-WEB_STACK = ["fastapi", "starlette", "uvicorn", "aiohttp", "gateway.app", "gateway.server", "gateway.relay"]
+WEB_STACK = ["fastapi", "starlette", "uvicorn", "aiohttp", "gateway.app", "gateway.http.server", "gateway.relay"]
 _PROBE = """
 import json, sys
 from gateway import cli

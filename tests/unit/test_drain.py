@@ -20,11 +20,11 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.requests import Request
 
+from gateway.api.health import ready
 from gateway.app import create_app
-from gateway.client_limits import ClientLimits
-from gateway.routes.health import ready
+from gateway.http.client_limits import ClientLimits
+from gateway.http.uvicorn_internals import _DRAIN_IDLE, DrainingServer, GuardedHttpToolsProtocol, ServerConfig
 from gateway.settings import Settings
-from gateway.uvicorn_internals import _DRAIN_IDLE, DrainingServer, GuardedHttpToolsProtocol, ServerConfig
 from tests.clock import virtual_time
 
 pytestmark = pytest.mark.timeout(30)

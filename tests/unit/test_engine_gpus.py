@@ -11,7 +11,7 @@ import pytest
 from gateway.doctor import doctor_config
 from gateway.engine.launch import MULTICAST_OFF, engine_environment
 from gateway.engine.profiles import Profile, build_argv, load_profiles, select_profile
-from gateway.engine.state import EngineState, EngineStatus, parallel_size, sequence_slots
+from gateway.engine.supervisor_state import EngineState, EngineStatus, parallel_size, sequence_slots
 from gateway.settings import EngineSettings, Settings
 from gateway.supervisor.cli import print_argv, show_status
 

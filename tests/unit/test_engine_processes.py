@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.doctor.nvml import GpuProcess, GpuReadings
+from gateway.engine.nvml import GpuProcess, GpuReadings
 from gateway.supervisor.process import GuardedProcess, MemberWatch
 from gateway.supervisor.supervisor import held_gpu_memory, wait_gpu_memory_released
 from tests.unit.doctor.samples import GiB, h200

@@ -7,7 +7,7 @@ import multiprocessing
 import time
 from collections.abc import Callable
 
-from gateway.relay.engine_state import HEALTH_STATUS, REFUSED, SharedEngineState
+from gateway.relay.readiness import HEALTH_STATUS, REFUSED, SharedEngineState
 
 _fork = multiprocessing.get_context("fork")
 

@@ -21,7 +21,7 @@ from gateway.errors import (
     EngineUnavailableError,
     RateLimitError,
 )
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.ratelimit.limiter import rate_limit_error
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient

@@ -13,7 +13,7 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.relay import http1
 from gateway.relay.client import UpstreamResponse
 from gateway.relay.sse import BODY_WRITER, SSERelay

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from fastapi.routing import APIRoute
 
+from gateway.api import SERVED, RouteTable
+from gateway.api.health import Readiness
 from gateway.app import create_app
 from gateway.errors import MethodNotAllowedError, RouteNotFoundError
-from gateway.middleware import ForwardedClientMiddleware, loggable
-from gateway.routes import SERVED, RouteTable
-from gateway.routes.health import Readiness
+from gateway.http.middleware import ForwardedClientMiddleware, loggable
 from gateway.settings import Settings
 from gateway.types import Message, Receive, Scope, Send
 

@@ -1,6 +1,6 @@
 """The uvicorn and redis-py internals the gateway relies on are all there in the installed libraries.
 
-The names come from the modules' own declarations (`INTERNALS` in gateway/uvicorn_internals.py and
+The names come from the modules' own declarations (`INTERNALS` in gateway/http/uvicorn_internals.py and
 gateway/redis/internals.py), so an upgrade that removes, renames or reshapes one fails here, naming it, instead of
 failing requests. A subclass's overrides are checked against the declaration both ways: one it does not declare would
 shadow a library method by accident. The parameters passed by name must still be there; and the installed version
@@ -20,7 +20,7 @@ import pytest
 import redis
 import uvicorn
 
-from gateway import uvicorn_internals
+from gateway.http import uvicorn_internals
 from gateway.redis import internals as redis_internals
 from gateway.types import LibraryInternals
 
@@ -151,7 +151,8 @@ def test_the_installed_version_is_the_one_the_modules_were_checked_with(library:
     module, prefix = TESTED[library]
     assert module.__version__.startswith(prefix), (
         f"{library} {module.__version__} is installed; the internals were read on {prefix}x: re-read what "
-        "gateway/uvicorn_internals.py relies on, then update its docstring, this table and the bound in pyproject.toml"
+        "gateway/http/uvicorn_internals.py relies on, then update its docstring, this table and the bound in "
+        "pyproject.toml"
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from gateway.engine.state import RestartCause
+from gateway.engine.supervisor_state import RestartCause
 from gateway.settings import EngineSettings
 from gateway.supervisor.liveness import PROBE_MARK, Liveness, parse_metrics
 

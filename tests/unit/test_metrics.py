@@ -18,13 +18,13 @@ from prometheus_client.registry import Collector
 from pydantic import SecretStr
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.doctor import nvml
-from gateway.doctor.nvml import ActivityReader
-from gateway.engine.state import EngineState, EngineStatus, RestartCause, RestartRecord
+from gateway.engine import nvml
+from gateway.engine.nvml import ActivityReader
+from gateway.engine.supervisor_state import EngineState, EngineStatus, RestartCause, RestartRecord
 from gateway.errors import KeyStoreUnavailableError, MetricsForbiddenError
-from gateway.exposition import ScrapeAccess
-from gateway.metrics import GatewayMetrics, GpuCollector, SupervisorMetrics, WorkersCollector
-from gateway.middleware import RequestContextMiddleware
+from gateway.http.middleware import RequestContextMiddleware
+from gateway.metrics.exposition import ScrapeAccess
+from gateway.metrics.instruments import GatewayMetrics, GpuCollector, SupervisorMetrics, WorkersCollector
 from gateway.ratelimit.redis import _exhausted
 from gateway.redis import RedisCalls
 from gateway.request_record import EngineErrorKind, RequestRecord

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gateway.engine.state import STATUS_FILE, EngineStatus
+from gateway.engine.supervisor_state import STATUS_FILE, EngineStatus
 from gateway.errors import EngineUnavailableError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.relay import monitor as monitor_module
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
-from gateway.relay.engine_state import SharedEngineState
 from gateway.relay.monitor import NOT_GENERATING, EngineMonitor
+from gateway.relay.readiness import SharedEngineState
 from gateway.settings import Settings
 from tests.procs import async_wait_until, free_port
 

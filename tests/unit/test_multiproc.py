@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.multiproc import forget_worker, shared_metrics
+from gateway.metrics.multiprocess import forget_worker, shared_metrics
 from gateway.settings import METRICS_DIR_VARIABLE, metrics_dir
 
 pytestmark = pytest.mark.timeout(5)

@@ -8,12 +8,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.engine.state import EngineStatus, launched_policy, launched_sequence_slots, sequence_slots
+from gateway.api.validation import effective_priority, prepare_chat
+from gateway.engine.supervisor_state import EngineStatus, launched_policy, launched_sequence_slots, sequence_slots
 from gateway.errors import InvalidRequestError
 from gateway.ratelimit.admission import parse_load, retry_after, tier_bounds
 from gateway.relay.served_model import ModelInfo
 from gateway.settings import AdmissionSettings, Settings
-from gateway.validation import effective_priority, prepare_chat
 
 pytestmark = pytest.mark.timeout(5)
 

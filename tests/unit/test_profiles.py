@@ -8,7 +8,7 @@ import pytest
 
 from gateway.engine.launch import engine_environment
 from gateway.engine.profiles import ProfileError, build_argv, load_profiles, select_profile, unknown_flags
-from gateway.engine.state import scheduling_policy
+from gateway.engine.supervisor_state import scheduling_policy
 from gateway.settings import EngineSettings
 
 LAUNCHER = ["python", "-m", "vllm.entrypoints.openai.api_server"]

@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.api.validation import prepare_chat
 from gateway.errors import InvalidRequestError
 from gateway.relay.served_model import ModelInfo
 from gateway.settings import DEFAULT_SYSTEM_MESSAGE, Settings
-from gateway.validation import prepare_chat
 
 pytestmark = pytest.mark.timeout(10)
 

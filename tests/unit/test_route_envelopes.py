@@ -10,11 +10,11 @@ import orjson
 import pytest
 from starlette.requests import Request
 
+from gateway.api import RouteTable
+from gateway.api.context import bearer_token
+from gateway.api.relayed import PRIORITY_HEADER
+from gateway.api.validation import PreparedRequest
 from gateway.relay.shapes import CHAT, MESSAGES, RESPONSES
-from gateway.routes import RouteTable
-from gateway.routes.context import bearer_token
-from gateway.routes.openai import PRIORITY_HEADER
-from gateway.validation import PreparedRequest
 from tests.unit.test_sse import Harness, delta
 
 pytestmark = pytest.mark.timeout(10)

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 import pytest
 from aiohttp import web
 
-from gateway.metrics import GatewayMetrics
-from gateway.relay.engine_state import SharedEngineState
+from gateway.metrics.instruments import GatewayMetrics
+from gateway.relay.readiness import SharedEngineState
 from gateway.services import Services
 from gateway.settings import Settings
 from tests.procs import free_port

@@ -11,7 +11,7 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.relay import http1
 from gateway.relay import sse as sse_module
 from gateway.relay.activity import EngineActivity

@@ -11,11 +11,8 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from gateway.bounds import BodyBounds, count_entries
-from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.relay.served_model import ModelInfo
-from gateway.settings import DEFAULT_SYSTEM_MESSAGE, EngineSettings, Settings
-from gateway.validation import (
+from gateway.api.bounds import BodyBounds, count_entries
+from gateway.api.validation import (
     PreparedRequest,
     param_path,
     prepare_chat,
@@ -24,6 +21,9 @@ from gateway.validation import (
     prepare_messages,
     prepare_responses,
 )
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.relay.served_model import ModelInfo
+from gateway.settings import DEFAULT_SYSTEM_MESSAGE, EngineSettings, Settings
 
 pytestmark = pytest.mark.timeout(5)
 

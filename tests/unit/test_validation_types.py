@@ -18,17 +18,14 @@ import orjson
 import pytest
 from pydantic import BaseModel
 
-from gateway.errors import GatewayError, InvalidRequestError
-from gateway.relay.served_model import ModelInfo
-from gateway.schemas import (
+from gateway.api.schemas import (
     AnthropicCountTokensRequest,
     AnthropicMessagesRequest,
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
 )
-from gateway.settings import Settings
-from gateway.validation import (
+from gateway.api.validation import (
     PreparedRequest,
     prepare_chat,
     prepare_completion,
@@ -36,6 +33,9 @@ from gateway.validation import (
     prepare_messages,
     prepare_responses,
 )
+from gateway.errors import GatewayError, InvalidRequestError
+from gateway.relay.served_model import ModelInfo
+from gateway.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.doctor.check import Check
-from gateway.doctor.nvml import GpuDevice, PcieLink
 from gateway.doctor.runner import DoctorConfig
+from gateway.engine.nvml import GpuDevice, PcieLink
 from tests.procs import free_port
 
 GiB = 2**30

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.doctor import nvml, rows, runner
+from gateway.doctor import rows, runner
 from gateway.doctor.check import NO_GPU, Status, passed, worst
 from gateway.doctor.gpu import (
     FlashAttnBuild,
@@ -25,9 +25,10 @@ from gateway.doctor.gpu import (
     check_pcie,
     read_torch_build,
 )
-from gateway.doctor.nvml import GpuLink, GpuProcess, GpuReadings, PcieLink
 from gateway.doctor.runner import run_checks
-from gateway.engine.state import EngineState, EngineStatus
+from gateway.engine import nvml
+from gateway.engine.nvml import GpuLink, GpuProcess, GpuReadings, PcieLink
+from gateway.engine.supervisor_state import EngineState, EngineStatus
 from tests.unit.doctor.samples import GiB, by_name, doctor_config_for, h200
 
 pytestmark = pytest.mark.timeout(30)

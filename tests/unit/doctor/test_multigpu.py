@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.doctor import multigpu, nvml, runner
+from gateway.doctor import multigpu, runner
 from gateway.doctor.check import Status
 from gateway.doctor.flags import parse_flags
 from gateway.doctor.multigpu import (
@@ -22,9 +22,10 @@ from gateway.doctor.multigpu import (
     check_peer_links,
     network_interfaces,
 )
-from gateway.doctor.nvml import GpuLink, GpuProcess, GpuReadings, Topology, open_error
 from gateway.doctor.runner import run_checks
+from gateway.engine import nvml
 from gateway.engine.launch import MULTICAST_OFF
+from gateway.engine.nvml import GpuLink, GpuProcess, GpuReadings, Topology, open_error
 from tests.unit.doctor.samples import GiB, by_name, doctor_config_for, h200
 from tests.unit.doctor.test_gpu import FakeNvml
 

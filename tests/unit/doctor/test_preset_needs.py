@@ -11,8 +11,8 @@ from gateway.doctor import runner
 from gateway.doctor.check import Status
 from gateway.doctor.engine_config import check_vllm_version
 from gateway.doctor.gpu import SeenGpu, check_preset_gpus
-from gateway.doctor.nvml import GpuDevice, GpuReadings, PcieLink
 from gateway.doctor.report import fatal_failures
+from gateway.engine.nvml import GpuDevice, GpuReadings, PcieLink
 from gateway.engine.presets import GpuNeeds, engine_profile, load_presets, select_preset
 from gateway.settings import Settings
 from tests.procs import free_port

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.doctor import nvml
 from gateway.doctor import rows as report_rows
 from gateway.doctor.check import NO_GPU, Status
 from gateway.doctor.cli import add_doctor_parser, run_doctor
 from gateway.doctor.report import exit_code, fatal_failures, render_json, render_table
 from gateway.doctor.runner import run_checks
+from gateway.engine import nvml
 from gateway.settings import Settings
 from tests.procs import free_port
 from tests.unit.doctor.samples import by_name, doctor_config_for, write_model

@@ -12,7 +12,7 @@ import pytest
 from gateway.doctor.check import Check, Status
 from gateway.doctor.runner import DoctorConfig, run_checks
 from gateway.doctor.running import descendants, listening_inodes, running_engine
-from gateway.engine.state import EngineState, EngineStatus
+from gateway.engine.supervisor_state import EngineState, EngineStatus
 from tests.procs import ServerProcess, free_port, run_fake_engine
 from tests.unit.doctor.samples import by_name
 

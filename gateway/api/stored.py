@@ -14,16 +14,16 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 
+from gateway.api.context import get_record, get_services, require_api_key
+from gateway.api.validation import STORE_OFF, PreparedRequest, parse_json_object
 from gateway.auth import ApiKey
 from gateway.errors import InvalidRequestError, KeyStoreUnavailableError, ResponseNotFoundError
 from gateway.ratelimit import RequestLease
 from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.shapes import RESPONSES
 from gateway.request_record import RequestRecord
-from gateway.routes.context import get_record, get_services, require_api_key
 from gateway.services import Services
 from gateway.types import ASGIApp
-from gateway.validation import STORE_OFF, PreparedRequest, parse_json_object
 
 # Response ids are vLLM's `resp_<hex>`; anything else is not one, and never reaches Redis or the engine.
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")

@@ -25,7 +25,7 @@ fails a test, not a request. What is relied upon, beyond `uvicorn.Config` and `u
 - `uvicorn.Config`, subclassed by `ServerConfig`: `__init__` overridden (the client limits and whether to freeze
   the heap once started ride along); `app` read (the app the server runs).
 
-Imports settings-derived limits (`gateway.client_limits`), errors and the relay's scope key for the writer.
+Imports settings-derived limits (`gateway.http.client_limits`), errors and the relay's scope key for the writer.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from gateway.client_limits import ClientLimits
 from gateway.errors import (
     GatewayError,
     MalformedRequestError,
@@ -52,6 +51,7 @@ from gateway.errors import (
     RequestHeadTooLargeError,
     RequestTimeoutError,
 )
+from gateway.http.client_limits import ClientLimits
 from gateway.relay.disconnect import DISCONNECT_WATCH
 from gateway.relay.sse import BODY_WRITER
 from gateway.types import LibraryInternals

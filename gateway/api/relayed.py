@@ -1,7 +1,7 @@
 """The relayed API routes (chat and text completions, the Responses API, Anthropic's Messages API) and
 /v1/models.
 
-`relay` is the one handler of every relayed route the table declares (gateway/routes/table.py): authenticate,
+`relay` is the one handler of every relayed route the table declares (gateway/api/table.py): authenticate,
 read, prepare, check the model, admit, and hand the exchange to the engine relay (`relay/exchange.py`). It is
 dispatched by `app._Dispatcher` (no router, no FastAPI body parsing or dependency solving on the hot path)
 and answers with an ASGI app: the engine's whole answer, or for streams the SSE relay.
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from gateway.api.context import get_record, get_services, require_api_key
+from gateway.api.validation import Prepare, PreparedRequest, effective_priority
 from gateway.auth import ApiKey
 from gateway.errors import RequestTooLargeError
 from gateway.ratelimit import EffectiveLimits, RequestLease
@@ -22,10 +24,8 @@ from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.exchange import AfterSettle
 from gateway.relay.shapes import WireShape
 from gateway.request_record import RequestRecord
-from gateway.routes.context import get_record, get_services, require_api_key
 from gateway.services import Services
 from gateway.types import ASGIApp
-from gateway.validation import Prepare, PreparedRequest, effective_priority
 
 router = APIRouter()
 

@@ -3,7 +3,7 @@
 Both answer HEAD too (load balancers probe with it). /ready reads the monitor's cached view, which a
 worker that last saw the engine down confirms with one shared /health probe first (as requests do), and
 Redis is pinged at most once per `Readiness.ttl` however often it is asked.
-A draining gateway (stop signal received, gateway/server.py sets `Readiness.draining`) is not ready.
+A draining gateway (stop signal received, gateway/http/server.py sets `Readiness.draining`) is not ready.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from gateway.relay.engine_state import SharedEngineState
-from gateway.routes.context import get_services
+from gateway.api.context import get_services
+from gateway.relay.readiness import SharedEngineState
 
 router = APIRouter()
 

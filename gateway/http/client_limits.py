@@ -1,7 +1,7 @@
 """ClientLimits: what one client connection may cost the gateway, shared by every connection of a server.
 
 Read from the `http` settings (and, for the connection cap's default, the engine and Redis pool sizes); enforced
-by the HTTP protocol in `gateway/uvicorn_internals.py`. Refusals and cut-offs are logged through `ThrottledLog`,
+by the HTTP protocol in `gateway/http/uvicorn_internals.py`. Refusals and cut-offs are logged through `ThrottledLog`,
 so a flood cannot flood the log. Imports settings only.
 """
 

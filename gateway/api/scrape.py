@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
+from gateway.api.context import get_services
 from gateway.errors import RouteNotFoundError
-from gateway.routes.context import get_services
 
 router = APIRouter()
 

@@ -79,7 +79,7 @@ class WorkerPool:
         on_stop: Callable[[], None] | None = None,
     ) -> None:
         self._count = count
-        # Told each dead worker's pid (its live metrics go with it; see multiproc.forget_worker).
+        # Told each dead worker's pid (its live metrics go with it; see metrics.multiprocess.forget_worker).
         self._on_exit = on_exit
         # Called from the stop signal's handler, before the workers are told: it must only record (a flag in
         # shared memory that makes every worker's /ready say 503 at once).

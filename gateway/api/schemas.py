@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 # `developer` is OpenAI's newer name for `system` (current SDK examples, agent frameworks); sent on as `system`.
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Role = Literal["system", "developer", "user", "assistant", "tool"]
-# OpenAI's `reasoning_effort` values; "none" and "minimal" switch reasoning off, the rest on (gateway/reasoning.py).
+# OpenAI's `reasoning_effort` values; "none" and "minimal" switch reasoning off, the rest on (gateway/api/reasoning.py).
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
@@ -118,7 +118,7 @@ class _SamplingFields(_Strict):
     stop: Any = None
     user: StrictStr | None = None
     logit_bias: dict[StrictStr, float] | None = None
-    # vLLM's cap on reasoning tokens (-1: none); a whole number, cut to the completion budget (gateway/reasoning.py).
+    # vLLM's cap on reasoning tokens (-1: none); a whole number, cut to the completion budget (api/reasoning.py).
     thinking_token_budget: StrictInt | None = Field(None, ge=-1)
 
     _stop = field_validator("stop", mode="before")(_check_stop)
@@ -177,7 +177,7 @@ def _items_of_dicts(value: Any, what: str) -> Any:
 
 
 class ResponsesReasoning(_Strict):
-    """The Responses API's `reasoning`: `effort` is the switch (gateway/reasoning.py)."""
+    """The Responses API's `reasoning`: `effort` is the switch (gateway/api/reasoning.py)."""
 
     effort: ReasoningEffort | None = None
     summary: StrictStr | None = None

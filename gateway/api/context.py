@@ -1,7 +1,7 @@
 """What a route handler takes from its request: the app's services, the request record, the caller's API key.
 
 Plain functions rather than FastAPI `Depends`: the hot routes are called by `app._Dispatcher` directly,
-without FastAPI's dependency solving (see `routes/table.py`), and the routers' handlers call them the same way.
+without FastAPI's dependency solving (see `api/table.py`), and the routers' handlers call them the same way.
 """
 
 from __future__ import annotations

@@ -13,12 +13,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from gateway.errors import GatewayError, MethodNotAllowedError, RouteNotFoundError
-from gateway.relay.shapes import CHAT, COMPLETIONS, MESSAGES, RESPONSES, WireShape
-from gateway.routes import stored
-from gateway.routes.openai import AfterAdmit, Relayed
-from gateway.types import ASGIApp
-from gateway.validation import (
+from gateway.api import stored
+from gateway.api.relayed import AfterAdmit, Relayed
+from gateway.api.validation import (
     Prepare,
     prepare_chat,
     prepare_completion,
@@ -26,6 +23,9 @@ from gateway.validation import (
     prepare_messages,
     prepare_responses,
 )
+from gateway.errors import GatewayError, MethodNotAllowedError, RouteNotFoundError
+from gateway.relay.shapes import CHAT, COMPLETIONS, MESSAGES, RESPONSES, WireShape
+from gateway.types import ASGIApp
 
 # A completion handler answers with an ASGI app: a Response, or the SSE relay for a stream.
 CompletionHandler = Callable[[Request], Awaitable[ASGIApp]]

@@ -23,7 +23,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.deadline import deadline
 from gateway.errors import RequestTimeoutError
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.instruments import GatewayMetrics
 from gateway.request_record import RequestRecord
 from gateway.settings import HttpSettings
 from gateway.types import ASGIApp, Message, Receive, Scope, Send

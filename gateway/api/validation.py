@@ -2,7 +2,7 @@
 
 Checks the Nemotron pitfalls (README, "Serving Nemotron") and applies policy: model aliases, `developer` sent as
 `system`, the default system message, the reasoning switch in the served model's convention, usage always requested
-in streams. Cheap checks (the counts of messages and other lists, `gateway/bounds.py`) come before costly ones.
+in streams. Cheap checks (the counts of messages and other lists, `gateway/api/bounds.py`) come before costly ones.
 Imports settings, errors, bounds, schemas, reasoning and the relay's ModelInfo only.
 """
 
@@ -15,11 +15,9 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from gateway.bounds import ROLE_MARKER, TYPE_MARKER, BodyBounds, count_entries
-from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.reasoning import apply_reasoning, apply_responses_reasoning, clamp_thinking_budget, served_switch
-from gateway.relay.served_model import ModelInfo
-from gateway.schemas import (
+from gateway.api.bounds import ROLE_MARKER, TYPE_MARKER, BodyBounds, count_entries
+from gateway.api.reasoning import apply_reasoning, apply_responses_reasoning, clamp_thinking_budget, served_switch
+from gateway.api.schemas import (
     MIN_THINKING_BUDGET,
     AnthropicCountTokensRequest,
     AnthropicMessagesRequest,
@@ -27,6 +25,8 @@ from gateway.schemas import (
     CompletionRequest,
     ResponsesRequest,
 )
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.relay.served_model import ModelInfo
 from gateway.settings import Settings
 
 # Four characters a token is the usual estimate for English text; it only sizes the up-front

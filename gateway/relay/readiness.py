@@ -34,7 +34,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from gateway.engine.state import pid_alive
+from gateway.engine.supervisor_state import pid_alive
 
 # Why the engine is down, as a code (the verdict word's low byte) and, for /health, its status (the bits above).
 HEALTHY = 0

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from gateway.engine.state import pid_alive
+from gateway.engine.supervisor_state import pid_alive
 from gateway.settings import metrics_dir, share_metrics
 
 

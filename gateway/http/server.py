@@ -1,7 +1,7 @@
 """The gateway's HTTP server: uvicorn with httptools, bounded in what one client may cost.
 
 `serve(settings)` builds the app and runs it until SIGTERM/SIGINT, in one process or a pool of workers sharing one
-listening socket. The protocol that bounds a client (`GuardedHttpToolsProtocol`, in `gateway/uvicorn_internals.py`
+listening socket. The protocol that bounds a client (`GuardedHttpToolsProtocol`, in `gateway/http/uvicorn_internals.py`
 with everything else that relies on uvicorn's internals) caps the request head (431), gives it a deadline (408,
 then close), closes a body still arriving after its deadline, and refuses connections beyond a cap at accept
 (503); the 408 for a slow body is answered by the middleware, where the route reads it. Under systemd socket
@@ -18,12 +18,12 @@ import logging
 import socket
 
 from gateway.app import create_app
-from gateway.client_limits import ClientLimits
-from gateway.multiproc import forget_worker
-from gateway.relay.engine_state import SharedEngineState
+from gateway.http.client_limits import ClientLimits
+from gateway.http.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
+from gateway.http.workers import STARTUP_FAILURE, WorkerPool, usable_cores
+from gateway.metrics.multiprocess import forget_worker
+from gateway.relay.readiness import SharedEngineState
 from gateway.settings import Settings, inherited_listen_fd
-from gateway.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
-from gateway.workers import STARTUP_FAILURE, WorkerPool, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def serve(settings: Settings) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return STARTUP_FAILURE
-    # Made before the fork, so the workers share one view of the engine (see gateway/relay/engine_state.py).
+    # Made before the fork, so the workers share one view of the engine (see gateway/relay/readiness.py).
     shared = SharedEngineState()
     target = functools.partial(serve_socket, settings, limits, shared=shared)
     # A dead worker's in-flight gauge must not stay in the sum the others' scrapes report.

@@ -293,7 +293,7 @@ class _KeyChildren:
 
 
 class _GpuActivity(Protocol):
-    """What `doctor.nvml.GpuActivity` holds (a Protocol: this module is a leaf)."""
+    """What `engine.nvml.GpuActivity` holds (a Protocol: this module is a leaf)."""
 
     @property
     def index(self) -> int: ...

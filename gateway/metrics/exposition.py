@@ -6,7 +6,8 @@ Why the engine's metrics are relayed at /metrics/engine rather than merged into 
 fail the gateway's own scrape; relayed, each is its own Prometheus job and an engine that is down shows as that
 job's `up == 0` while the gateway's figures keep coming. The engine's port stays on 127.0.0.1.
 
-Imports settings, errors, metrics, multiproc, doctor.nvml (the one NVML wrapper) and the relay's engine client.
+Imports settings, errors, the metric instruments, the multiprocess directory, engine.nvml (the one NVML wrapper) and the
+relay's engine client.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 
-from gateway.doctor.nvml import ActivityReader
+from gateway.engine.nvml import ActivityReader
 from gateway.errors import MetricsForbiddenError
-from gateway.metrics import GatewayMetrics, GpuCollector, WorkersCollector
-from gateway.multiproc import living_workers
+from gateway.metrics.instruments import GatewayMetrics, GpuCollector, WorkersCollector
+from gateway.metrics.multiprocess import living_workers
 from gateway.relay.client import EngineClient
 from gateway.settings import MetricsSettings, Settings, metrics_dir
 
