@@ -21,7 +21,7 @@ from gateway.auth import ApiKey
 from gateway.errors import RequestTooLargeError
 from gateway.ratelimit import EffectiveLimits, RequestLease
 from gateway.relay.disconnect import disconnect_watch
-from gateway.relay.exchange import AfterSettle
+from gateway.relay.exchange import AfterSettle, Exchange
 from gateway.relay.shapes import WireShape
 from gateway.request_record import RequestRecord
 from gateway.services import Services
@@ -108,18 +108,20 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
             await lease.acquire(prepared.tokens_estimate)
     engine_body, engine_headers = api.engine_request(request, prepared, await _admit(services, key, prepared, lease))
     return await services.relay.forward(
-        api.path,
-        engine_body,
-        record,
-        request.receive,
-        stream=prepared.stream,
-        strip_usage=not prepared.client_wants_usage,
-        lease=lease,
-        admitting=admitting,
-        after=after,
-        shape=api.shape,
-        engine_headers=engine_headers,
-        watch=disconnect_watch(request.scope),
+        Exchange(
+            api.path,
+            engine_body,
+            record,
+            request.receive,
+            stream=prepared.stream,
+            strip_usage=not prepared.client_wants_usage,
+            shape=api.shape,
+            engine_headers=engine_headers,
+            watch=disconnect_watch(request.scope),
+            lease=lease,
+            admitting=admitting,
+            after=after,
+        )
     )
 
 

@@ -20,6 +20,7 @@ from gateway.auth import ApiKey
 from gateway.errors import InvalidRequestError, KeyStoreUnavailableError, ResponseNotFoundError
 from gateway.ratelimit import RequestLease
 from gateway.relay.disconnect import disconnect_watch
+from gateway.relay.exchange import Exchange
 from gateway.relay.shapes import RESPONSES
 from gateway.request_record import RequestRecord
 from gateway.services import Services
@@ -119,16 +120,17 @@ async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
     if lease is not None:
         await lease.acquire(0)  # a request, a concurrency slot until the exchange settles; no tokens
     return await services.relay.forward(
-        path,
-        b"",
-        record,
-        request.receive,
-        stream=stream,
-        strip_usage=False,
-        shape=RESPONSES,
-        lease=lease,
-        method="POST" if cancel else "GET",
-        watch=disconnect_watch(request.scope),
+        Exchange(
+            path,
+            b"",
+            record,
+            request.receive,
+            stream=stream,
+            shape=RESPONSES,
+            method="POST" if cancel else "GET",
+            watch=disconnect_watch(request.scope),
+            lease=lease,
+        )
     )
 
 

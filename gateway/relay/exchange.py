@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import orjson
@@ -208,6 +209,31 @@ async def _admitted(admitting: asyncio.Task[None], upstream: UpstreamResponse) -
         raise
 
 
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One request's exchange as the route hands it over: what goes to the engine (`path`, `body`, `method`,
+    `engine_headers`) and how its answer is read (`stream`; `shape`, the API's wire shape: how its stream ends and
+    fails; `strip_usage`, drop the usage-only chunk the client did not ask for); the client's side (`record`,
+    `receive`; `watch`, the request's connection where the server offers one, tells of a client gone without a
+    second task, else `receive` is read for it); and what it holds for the key (`lease`; `admitting`, the key's
+    admission where it runs beside the exchange, `RequestLease.acquire_beside`; `after`, the route's own step once
+    settled)."""
+
+    path: str
+    body: bytes
+    record: RequestRecord
+    receive: Receive
+    stream: bool = False
+    strip_usage: bool = False
+    shape: WireShape = CHAT
+    method: str = "POST"
+    engine_headers: Mapping[str, str] | None = None
+    watch: DisconnectWatch | None = None
+    lease: HeldLease | None = None
+    admitting: asyncio.Task[None] | None = None
+    after: AfterSettle | None = None
+
+
 class EngineRelay:
     """Runs the exchange of one completion request with the engine (see the module docstring)."""
 
@@ -227,44 +253,28 @@ class EngineRelay:
         # Labelled children looked up once, not per request.
         self._errors = {kind: metrics.engine_errors.labels(kind.value) for kind in EngineErrorKind}
 
-    async def forward(
-        self,
-        path: str,
-        body: bytes,
-        record: RequestRecord,
-        receive: Receive,
-        *,
-        stream: bool,
-        strip_usage: bool,
-        lease: HeldLease | None = None,
-        admitting: asyncio.Task[None] | None = None,
-        after: AfterSettle | None = None,
-        shape: WireShape = CHAT,
-        method: str = "POST",
-        engine_headers: Mapping[str, str] | None = None,
-        watch: DisconnectWatch | None = None,
-    ) -> ASGIApp:
-        """Send `body` to the engine's `path`: the answer as an ASGI app, or a GatewayError (5xx). `shape` is the
-        API's wire shape (how its stream ends and fails); `engine_headers` go to the engine with the request.
-        `watch`, the request's connection where the server offers one, tells of a client gone without a second
-        task (see `relay/disconnect.py`); else `receive` is read for it.
+    async def forward(self, exchange: Exchange) -> ASGIApp:
+        """Send the exchange's body to the engine: the answer as an ASGI app, or a GatewayError (5xx).
 
-        `admitting`, the key's admission where it runs beside the exchange (`RequestLease.acquire_beside`), is waited
-        for before anything reaches the client: its refusal ends the exchange (the engine aborts the request) and is
-        raised in its place.
-
-        The exchange is settled exactly once (`Settlement`: `lease` released, then `after` run): when the answer is
-        read, when the stream ends, or on the error. The lease's headers (the key's rate-limit headers) go on the
-        answer.
+        Its admission, where it runs beside the exchange, is waited for before anything reaches the client: its
+        refusal ends the exchange (the engine aborts the request) and is raised in its place. The exchange is settled
+        exactly once (`Settlement`: the lease released, then the route's own step run): when the answer is read, when
+        the stream ends, or on the error. The lease's headers (the key's rate-limit headers) go on the answer.
         """
-        settlement = Settlement(record, lease, after, self._errors)
+        record, lease, admitting, shape = exchange.record, exchange.lease, exchange.admitting, exchange.shape
+        settlement = Settlement(record, lease, exchange.after, self._errors)
         try:
-            exchange = self._open_and_read(
-                path, body, record, read_body=not stream, method=method, headers=engine_headers
+            reading = self._open_and_read(
+                exchange.path,
+                exchange.body,
+                record,
+                read_body=not exchange.stream,
+                method=exchange.method,
+                headers=exchange.engine_headers,
             )
             if admitting is not None:
-                exchange = _beside(admitting, exchange)
-            upstream, answer = await run_until_disconnect(receive, exchange, watch)
+                reading = _beside(admitting, reading)
+            upstream, answer = await run_until_disconnect(exchange.receive, reading, exchange.watch)
             if admitting is not None:
                 await _admitted(admitting, upstream)
         except ClientDisconnectedError:
@@ -297,7 +307,7 @@ class EngineRelay:
             record,
             self._settings,
             self._metrics,
-            strip_usage=strip_usage,
+            strip_usage=exchange.strip_usage,
             shape=shape,
             headers=[(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
             settlement=settlement,

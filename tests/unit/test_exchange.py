@@ -25,7 +25,7 @@ from gateway.metrics.instruments import GatewayMetrics
 from gateway.ratelimit.limiter import rate_limit_error
 from gateway.relay.activity import EngineActivity
 from gateway.relay.client import EngineClient
-from gateway.relay.exchange import BufferedAnswer, EngineRelay
+from gateway.relay.exchange import BufferedAnswer, EngineRelay, Exchange
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.sse import SSERelay
 from gateway.request_record import EngineErrorKind, RequestRecord
@@ -66,14 +66,16 @@ class Rig:
         record = RequestRecord(request_id=request_id, started_at=0.0)
         self.record = record
         return await self.relay.forward(
-            "/v1/chat/completions",
-            b'{"model": "m"}',
-            record,
-            _never_disconnects,
-            stream=stream,
-            strip_usage=True,
-            lease=self,
-            admitting=admitting,
+            Exchange(
+                "/v1/chat/completions",
+                b'{"model": "m"}',
+                record,
+                _never_disconnects,
+                stream=stream,
+                strip_usage=True,
+                lease=self,
+                admitting=admitting,
+            )
         )
 
     def errors(self) -> dict[str, float]:
