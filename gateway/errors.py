@@ -249,11 +249,25 @@ class RateLimitError(_RetryableError):
 
 
 class QuotaExceededError(RateLimitError):
-    """A token budget of the key (daily or monthly) is spent; `Retry-After` is the end of its window."""
+    """A token budget of the key (daily or monthly) is spent; `Retry-After` is the end of its window. `tokens_left`:
+    what the tightest budget still holds (a smaller request may fit it)."""
 
     type = "insufficient_quota"
     code = "insufficient_quota"
     sdk_retry = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float = 1.0,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        limit: str = "budget",
+        tokens_left: int = 0,
+    ) -> None:
+        super().__init__(message, retry_after=retry_after, param=param, headers=headers, limit=limit)
+        self.tokens_left = tokens_left
 
 
 class AddressBlockedError(RateLimitError):

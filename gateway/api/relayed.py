@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request, Response
 from gateway.api.context import get_record, get_services, require_api_key
 from gateway.api.validation import Prepare, PreparedRequest, effective_priority
 from gateway.auth import ApiKey
-from gateway.errors import RequestTooLargeError
+from gateway.errors import QuotaExceededError, RequestTooLargeError
 from gateway.ratelimit import EffectiveLimits, RequestLease
 from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.exchange import AfterSettle, Exchange
@@ -102,10 +102,11 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
     if lease is not None:
         # A key admitted last time goes on to the engine while Redis decides (the answer waits for it), unless the
         # engine's queue must admit it first or the route has a step of its own to run once admitted.
-        if after is None and not services.admission.enabled:
+        # A cap of the gateway's may yet be lowered to what a budget has left: that needs the answer first.
+        if after is None and not services.admission.enabled and prepared.gateway_cap_field is None:
             admitting = lease.acquire_beside(prepared.tokens_estimate)
         if admitting is None:
-            await lease.acquire(prepared.tokens_estimate)
+            prepared = await _acquire(lease, prepared)
     engine_body, engine_headers = api.engine_request(request, prepared, await _admit(services, key, prepared, lease))
     return await services.relay.forward(
         Exchange(
@@ -123,6 +124,20 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
             after=after,
         )
     )
+
+
+async def _acquire(lease: RequestLease, prepared: PreparedRequest) -> PreparedRequest:
+    """Admit `prepared`, charging its estimate; a budget that refuses a length the gateway chose is asked once more
+    for the length it has left (the request as admitted is returned)."""
+    try:
+        await lease.acquire(prepared.tokens_estimate)
+        return prepared
+    except QuotaExceededError as refusal:
+        smaller = prepared.recapped(refusal.tokens_left)
+        if smaller is None:
+            raise
+    await lease.acquire(smaller.tokens_estimate)
+    return smaller
 
 
 def _token_limit(limits: EffectiveLimits) -> int | None:

@@ -68,6 +68,9 @@ class PreparedRequest:
     # The API's field for the completion length when the client left that length to the engine (absent from `body`),
     # else None: `capped` may fill it in.
     open_budget_field: str | None = None
+    # The field the gateway wrote its own cap into (`capped`), and the body before it: `recapped` may lower it.
+    gateway_cap_field: str | None = None
+    uncapped_body: bytes = b""
 
     @property
     def generates(self) -> bool:
@@ -99,7 +102,22 @@ class PreparedRequest:
         # At least one token: a prompt that fills the limit is then refused by it as too large, not sent uncapped.
         cap = max(1, cap)
         body = b'%s,"%s":%d}' % (self.body[:-1], field.encode(), cap)
-        return replace(self, body=body, max_tokens=cap, open_budget_field=None)
+        return replace(
+            self, body=body, max_tokens=cap, open_budget_field=None, gateway_cap_field=field, uncapped_body=self.body
+        )
+
+    def recapped(self, tokens_left: int) -> PreparedRequest | None:
+        """The request with the gateway's cap lowered so that the whole request fits the `tokens_left` of a budget
+        that refused it; None when the cap is the client's, or when not one token fits (the refusal stands). A
+        budget near its end then still serves a client that left the length to the engine, as far as it goes."""
+        field = self.gateway_cap_field
+        if field is None or self.max_tokens is None:
+            return None
+        cap = min(self.max_tokens, (tokens_left - self.prompt_tokens_estimate) // self.choices)
+        if cap < 1 or cap == self.max_tokens:
+            return None
+        body = b'%s,"%s":%d}' % (self.uncapped_body[:-1], field.encode(), cap)
+        return replace(self, body=body, max_tokens=cap)
 
     def engine_body(self, priority: int | None) -> bytes:
         """The body for the engine, with vLLM's `priority` field when `priority` is not None (the body is an

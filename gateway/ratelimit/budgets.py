@@ -45,19 +45,25 @@ def quota_refusal(
     """The 429 `insufficient_quota` for a request of `tokens` refused by a spent budget (`used`: the day's and the
     month's tokens), with Retry-After to the window's end."""
     spent = []
+    tokens_left: list[int] = []
     for window, limit, window_used in (
         ("daily", limits.daily_tokens, used[0]),
         ("monthly", limits.monthly_tokens, used[1]),
     ):
-        if limit and window_used + tokens > limit:
-            left = max(0, limit - window_used)
+        if not limit:
+            continue
+        left = max(0, limit - window_used)
+        tokens_left.append(left)
+        if window_used + tokens > limit:
             spent.append(f"{window} token budget ({limit}; {left} left, this request may use {tokens})")
     message = (
         f"This API key's {' and '.join(spent)} is spent; it refills in {format_reset(retry_ms)} "
         f"(at {budget_timezone} midnight). Lower max_tokens or ask for a larger budget."
     )
     merged = {"retry-after-ms": str(max(retry_ms, 0)), **headers}
-    return QuotaExceededError(message, retry_after=retry_ms / 1000, headers=merged, limit="budget")
+    return QuotaExceededError(
+        message, retry_after=retry_ms / 1000, headers=merged, limit="budget", tokens_left=min(tokens_left, default=0)
+    )
 
 
 def report_budget(metrics: GatewayMetrics | None, name: str, limits: EffectiveLimits, used: tuple[int, int]) -> None:

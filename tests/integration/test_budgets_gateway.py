@@ -236,3 +236,68 @@ def test_budgets_are_in_metrics_and_go_with_a_revoked_key(urls: list[str], redis
         assert 'key="metered",window="month"' not in scrape  # no monthly budget: no series
         assert keys_cli(redis_clean, ["revoke", "metered"])[0].returncode == 0
         wait_until(lambda: 'key="metered"' not in client.get(f"{urls[0]}/metrics").text, timeout=3)
+
+
+# A request that leaves its length to the engine (the OpenAI SDK's default), for a model that would go on for
+# 2,000 tokens: the test engine stops it there, or at the length the gateway sent.
+_LONG_ANSWER = {"fake_eos_after": 2000}
+_UNCAPPED = {
+    "chat": ("/v1/chat/completions", {"model": "nemotron-test", "messages": [{"role": "user", "content": "hi"}]}),
+    "completions": ("/v1/completions", {"model": "nemotron-test", "prompt": "hi"}),
+    "responses": ("/v1/responses", {"model": "nemotron-test", "input": "hi", "store": False}),
+}
+
+
+def _usage_total(answer: dict[str, object]) -> int:
+    usage = answer["usage"]
+    assert isinstance(usage, dict), answer
+    return int(usage["total_tokens"])
+
+
+@pytest.mark.parametrize(
+    ("api", "limit"),
+    [
+        ("chat", "--daily-tokens"),
+        ("completions", "--monthly-tokens"),
+        ("responses", "--daily-tokens"),
+        ("chat", "--tpm"),
+    ],
+    ids=["chat-daily", "completions-monthly", "responses-daily", "chat-tpm"],
+)
+def test_a_request_leaving_its_length_to_the_engine_cannot_go_past_the_keys_token_limit(
+    urls: list[str], redis_clean: str, api: str, limit: str
+) -> None:
+    limits = ["--rpm", "0", "--max-concurrency", "0", *(["--tpm", "0"] if limit != "--tpm" else [])]
+    name = f"open-{api}-{limit.strip('-')}"
+    secret = create_keys(redis_clean, {name: [*limits, limit, "300"]})[name]
+    path, body = _UNCAPPED[api]
+    with httpx.Client(timeout=30) as client:
+        answer = client.post(f"{urls[0]}{path}", json={**body, **_LONG_ANSWER}, headers=auth(secret, "198.51.100.40"))
+    assert answer.status_code == 200, answer.text
+    # Without a cap the engine would have generated 2,000 tokens on a 300-token limit.
+    assert _usage_total(answer.json()) <= 300
+    if limit == "--daily-tokens":
+        assert _budget_used(redis_clean, name) <= 300
+
+
+def test_a_budget_near_its_end_serves_a_length_left_to_the_engine_with_what_is_left(
+    urls: list[str], redis_clean: str
+) -> None:
+    secret = create_keys(redis_clean, {"nearly-spent": [*NO_LIMITS, "--daily-tokens", "300"]})["nearly-spent"]
+    headers = auth(secret, "198.51.100.41")
+    path, body = _UNCAPPED["chat"]
+    with httpx.Client(timeout=30) as client:
+        first = client.post(f"{urls[0]}/v1/completions", json=completion("hi", 200), headers=headers)
+        assert first.status_code == 200, first.text
+        left = 300 - _budget_used(redis_clean, "nearly-spent")
+        assert 0 < left < 300
+        # The whole budget no longer fits the request: its length is what the budget has left, not a refusal.
+        served = client.post(f"{urls[1]}{path}", json={**body, **_LONG_ANSWER}, headers=headers)
+        assert served.status_code == 200, served.text
+        assert _usage_total(served.json()) <= left
+        assert served.json()["choices"][0]["finish_reason"] == "length"
+        assert _budget_used(redis_clean, "nearly-spent") <= 300
+        # Spent to the last token that a prompt leaves room for: refused, as before.
+        spent = client.post(f"{urls[0]}{path}", json={**body, **_LONG_ANSWER}, headers=headers)
+    assert spent.status_code == 429, spent.text
+    assert error_of(spent)["type"] == "insufficient_quota"

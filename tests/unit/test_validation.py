@@ -902,3 +902,16 @@ def test_counting_tokens_is_neither_capped_nor_charged() -> None:
     prepared = prepare_count_tokens(body, SETTINGS, INFO)
     assert not prepared.generates and prepared.tokens_estimate == 0
     assert prepared.capped(300, 4096) is prepared
+
+
+def test_a_cap_of_the_gateways_is_lowered_to_what_a_budget_has_left_and_a_clients_never() -> None:
+    prepared = prepare_chat(chat_body(max_tokens=None), SETTINGS, INFO)
+    capped = prepared.capped(300, 4096)
+    lowered = capped.recapped(100)
+    assert lowered is not None
+    assert lowered.tokens_estimate <= 100 and lowered.max_tokens == 100 - prepared.prompt_tokens_estimate
+    sent = orjson.loads(lowered.body)
+    assert sent["max_completion_tokens"] == lowered.max_tokens and "max_tokens" not in sent
+    assert capped.recapped(prepared.prompt_tokens_estimate) is None  # not one token fits: the refusal stands
+    assert capped.recapped(10_000) is None  # nothing to lower
+    assert prepare_chat(chat_body(max_tokens=50), SETTINGS, INFO).recapped(20) is None  # the client's own length
