@@ -54,16 +54,24 @@ def test_a_saved_result_is_summarised_with_errors_counted_by_reason(tmp_path: Pa
 
 
 def test_finish_reads_each_clients_own_cpu_and_time_boxes_it(tmp_path: Path) -> None:
-    busy = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass"
+    # The busy client has burnt its CPU second and is exiting before the wait begins, the sleeper would sleep far
+    # past the time box: which one ends by itself and which one is killed does not depend on the machine's speed.
+    busy = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\nprint('burnt')"
     clients = []
     for name, code in (("busy", busy), ("sleeper", "import time; time.sleep(600)")):
-        process = subprocess.Popen([sys.executable, "-c", code])
+        output = subprocess.PIPE if name == "busy" else None
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=output, text=True)
         clients.append(bench.Client(name, _load(), process, tmp_path / f"{name}.json", tmp_path / f"{name}.log"))
+    burnt = clients[0].process.stdout
+    assert burnt is not None
+    with burnt:
+        assert burnt.read() == "burnt\n"  # to its end: the busy client has closed its output
     busy_result, sleeper_result = bench.finish(clients, timeout_s=15.0)
-    # Its own CPU from wait4 (no result file: no benchmark duration to take a share over).
-    assert busy_result["client"]["cpu_s"] >= 0.95 and busy_result["client"]["run_cpu_share"] is None
+    # Its own CPU from wait4 (no result file: no benchmark duration to take a share over): the busy client's
+    # second, and the sleeper's start-up alone, not the busy client's second as well.
+    assert busy_result["client"]["cpu_s"] >= 1.0 and busy_result["client"]["run_cpu_share"] is None
     assert busy_result["returncode"] == 0 and not busy_result["timed_out"]
-    assert sleeper_result["timed_out"] and sleeper_result["client"]["cpu_s"] < 0.5
+    assert sleeper_result["timed_out"] and sleeper_result["client"]["cpu_s"] < busy_result["client"]["cpu_s"]
     assert sleeper_result["completed"] is None
 
 

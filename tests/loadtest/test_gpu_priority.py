@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 
@@ -13,6 +12,7 @@ import pytest
 
 from loadtest.gpu import priority
 from tests.loadtest.conftest import threaded_http_server
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -31,14 +31,25 @@ ANSWERS: dict[str, tuple[int, dict[str, str], bytes]] = {
 }
 
 
-# The engine's output tokens grow at this many per second from the server's start (a counter, as vLLM's).
+# The engine's output tokens grow at this many per second of CLOCK (a counter, as vLLM's).
 TOKENS_PER_S = 1000.0
-STARTED = time.monotonic()
+
+
+class _Clock:
+    """The seconds both the server's counter and the sampler read: moved by the test alone."""
+
+    now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+CLOCK = _Clock()
 
 
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        generated = TOKENS_PER_S * (time.monotonic() - STARTED)
+        generated = TOKENS_PER_S * CLOCK.now
         counter = f'vllm:generation_tokens_total{{engine="0",model_name="nemotron"}} {generated}\n'
         self._answer(200, {}, (METRICS + counter).encode())
 
@@ -69,12 +80,18 @@ def test_the_engine_queue_sums_vllms_gauges_over_engines(server: str) -> None:
     assert priority.engine_queue("http://127.0.0.1:9") == (-1.0, -1.0)
 
 
-def test_the_sampler_reads_the_engines_output_tokens_per_second_over_its_window(server: str) -> None:
+def test_the_sampler_reads_the_engines_output_tokens_per_second_over_its_window(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sampler's clock is the one the server's counter grows by: the rate is exact however late each read is.
+    monkeypatch.setattr(priority, "time", CLOCK)
+    CLOCK.now = 100.0
     sampler = priority.QueueSampler(server).start()
-    time.sleep(1.2)
+    wait_until(lambda: len(sampler.samples) >= 2, timeout=30, message="the sampler took no samples")
+    CLOCK.now += 2.5
     queue = sampler.stop()
     assert queue["running_median"] == 256 and queue["waiting_max"] == 300
-    assert 0.8 * TOKENS_PER_S < queue["output_tokens_per_s"] < 1.2 * TOKENS_PER_S
+    assert queue["output_tokens_per_s"] == TOKENS_PER_S
     assert priority.QueueSampler("http://127.0.0.1:9").start().stop()["output_tokens_per_s"] == -1
 
 

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.timeout(300)  # each run starts vLLM's client: tens of 
 TOKENS = 10
 RANGE_RATIO = 0.5  # output lengths 5..15 tokens, so latencies spread around the objective below
 SLO_LATENCY_MS = round((PREFILL_S + (TOKENS - 1) * CHUNK_S) * 1000, 3)
-# The machine is shared (2 cores): generous on the slow side, tight on the fast side (a stub cannot be early).
-SLACK_MS = 25.0
+# A stub cannot be early: its delays bound every figure from below (less a millisecond of rounding). From above,
+# a figure is bracketed by the others of the same requests (a busy machine makes them all late), not by the clock.
+EARLY_MS = 1.0
 
 
 def _run(argv: list[str], out: Path) -> dict[str, Any]:
@@ -50,23 +51,32 @@ def closed_loop(stub_url: str, demo_model: str, tmp_path_factory: pytest.TempPat
 def test_ttft_and_inter_token_latency_match_the_injected_delays(closed_loop: dict[str, Any]) -> None:
     s = closed_loop["summary"]
     assert (s["completed"], s["failed"], s["errors"]) == (24, 0, {})
-    assert PREFILL_S * 1000 - 1 <= s["ttft_ms"]["p50"] <= PREFILL_S * 1000 + SLACK_MS
-    assert CHUNK_S * 1000 - 1 <= s["itl_ms"]["p50"] <= CHUNK_S * 1000 + 5
-    assert CHUNK_S * 1000 - 1 <= s["tpot_ms"]["p50"] <= CHUNK_S * 1000 + 5
+    assert s["ttft_ms"]["p50"] >= PREFILL_S * 1000 - EARLY_MS
+    assert s["itl_ms"]["p50"] >= CHUNK_S * 1000 - EARLY_MS and s["tpot_ms"]["p50"] >= CHUNK_S * 1000 - EARLY_MS
     requests = closed_loop["requests"]
     lengths = [r["output_tokens"] for r in requests]
     assert len(requests) == 24 and sum(lengths) == s["output_tokens"]
     assert min(lengths) < TOKENS < max(lengths) and all(5 <= n <= 15 for n in lengths)
     # The stub's first token after PREFILL_S, then one every CHUNK_S: each request's latency follows its length.
     excess = [r["latency_ms"] - (PREFILL_S + (r["output_tokens"] - 1) * CHUNK_S) * 1000 for r in requests]
-    assert min(excess) >= -1 and statistics.median(excess) <= SLACK_MS
+    assert min(excess) >= -EARLY_MS
+    # The percentiles are the requests' own figures, in milliseconds: TTFT and latency their medians, TPOT the
+    # median of each request's decode time per token after the first, an inter-token gap within a decode.
+    ttfts, latencies = [r["ttft_ms"] for r in requests], [r["latency_ms"] for r in requests]
+    decodes = [r["latency_ms"] - r["ttft_ms"] for r in requests]
+    tpots = [decode / (r["output_tokens"] - 1) for decode, r in zip(decodes, requests, strict=True)]
+    assert s["ttft_ms"]["p50"] == pytest.approx(statistics.median(ttfts), abs=0.01)
+    assert s["e2el_ms"]["p50"] == pytest.approx(statistics.median(latencies), abs=0.01)
+    assert s["tpot_ms"]["p50"] == pytest.approx(statistics.median(tpots), abs=0.01)
+    assert s["itl_ms"]["p50"] <= max(decodes)
 
 
 def test_goodput_counts_only_requests_within_the_objectives(closed_loop: dict[str, Any]) -> None:
     goodput = closed_loop["summary"]["goodput"]
     assert (goodput["slo_ttft_ms"], goodput["slo_e2el_ms"]) == (1000, SLO_LATENCY_MS)
     within = [r for r in closed_loop["requests"] if r["ttft_ms"] <= 1000 and r["latency_ms"] <= SLO_LATENCY_MS]
-    assert 0 < len(within) < 24, "the objective splits the requests"
+    # The longest answers are outside the latency objective by the stub's own delays, however fast the machine.
+    assert len(within) < 24, "the latency objective was not applied"
     assert goodput["requests"] == len(within) and goodput["fraction"] == pytest.approx(len(within) / 24)
     assert goodput["per_s"] == pytest.approx(len(within) / closed_loop["summary"]["duration_s"], rel=0.01)
 
