@@ -148,11 +148,11 @@ def test_a_slow_head_is_cut_off_at_its_deadline(port: int) -> None:
 
 
 def test_an_idle_connection_is_closed_at_the_head_deadline(port: int) -> None:
+    # uvicorn alone keeps a connection that sent nothing open for good: only the head deadline closes it, and a
+    # read still waiting after 30 s raises TimeoutError.
     with connect(port) as sock:
         sock.settimeout(30)
-        started = time.monotonic()
         assert read_all(sock) == b""
-        assert time.monotonic() - started < 30
 
 
 def test_a_body_that_stalls_is_answered_408(port: int, gateway: ServerProcess) -> None:

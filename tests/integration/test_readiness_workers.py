@@ -96,13 +96,12 @@ def test_the_idle_generation_probe_is_sent_once_per_gateway_per_interval(
 ) -> None:
     started = time.monotonic()
     before = engine.stats()["generation_probes"]
-    time.sleep(5.0)
+    # An idle gateway probes when it has seen the engine quiet for a probe interval: it does probe...
+    wait_until(lambda: engine.stats()["generation_probes"] - before >= 3, timeout=60, message="no idle probes")
     probes = engine.stats()["generation_probes"] - before
-    # The window the two reads span: on a loaded machine a read of the engine's stats can itself take seconds.
+    # ...and at most once per interval over the window the two reads span (one per worker would be twelve).
     window = time.monotonic() - started
-    # An idle gateway probes when it has seen the engine quiet for a probe interval: at most one per interval
-    # (one per worker would be twelve).
-    assert 1 <= probes <= window / PROBE_INTERVAL + 1, (probes, round(window, 2))
+    assert probes <= window / PROBE_INTERVAL + 1, (probes, round(window, 2))
 
 
 def test_a_stop_signal_to_the_pool_turns_every_worker_not_ready_at_once(
