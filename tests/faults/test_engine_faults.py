@@ -40,12 +40,13 @@ from tests.procs import FakeEngineControl, ServerProcess, async_wait_until, free
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 STREAMS = 8
-# How long a frozen engine may hold clients before the gateway ends their streams and refuses new requests:
-# the relay's documented bound, max(stall_timeout, generation_probe_timeout + 2 x probe_interval) + probe_interval
-# (15.2 s with the defaults and this tier's 0.2 s probe interval), plus slack for a loaded two-core machine.
-STALL_BOUND = 20.0
-# A refused answer while the engine is down: no waiting on a dead engine.
-FAST_503 = 2.0
+# A frozen engine's streams can end only by the gateway's finding that it stopped generating (the relay's
+# documented bound: max(stall_timeout, generation_probe_timeout + 2 x probe_interval) + probe_interval, 15.2 s with
+# the defaults and this tier's 0.2 s probe interval; tests/integration/test_engine_faults_gateway.py times it): the
+# chunk timeout is past the test's own, and the clients wait no longer than this.
+STALL_WAIT = 60.0
+# A refused answer while the engine is down: no waiting on a dead engine (typically milliseconds).
+FAST_503 = 5.0
 
 
 @dataclass
@@ -109,12 +110,11 @@ async def poll_until_served(
     raise AssertionError(f"not served again within {within} s; last answers: {[r.text for r, _ in refusals[-3:]]}")
 
 
-def assert_fast_503s(refusals: list[tuple[httpx.Response, float]]) -> None:
-    for response, elapsed in refusals:
+def assert_503s(refusals: list[tuple[httpx.Response, float]]) -> None:
+    for response, _ in refusals:
         assert response.status_code == 503, response.text
         assert response.headers.get("retry-after", "").isdigit(), response.headers
         assert response.json()["error"]["type"] == "service_unavailable"
-        assert elapsed < FAST_503, f"a 503 took {elapsed:.2f} s"
 
 
 def engine_server_pid(group: int) -> int:
@@ -147,8 +147,9 @@ async def test_engine_sigkill_with_streams_open(up_stack: UpStack, figures: Figu
             recovered_at, refusals = await poll_until_served(client, url, up_stack.headers, within=30)
         for index, outcome in enumerate(outcomes):
             assert_ended_with_one_error(outcome, f"stream {index}")
+        # A request held until the engine was back would have been answered 200, not refused.
         assert refusals, "the first request after the kill found the engine up already"
-        assert_fast_503s(refusals)
+        assert_503s(refusals)
         prefix = f"engine_sigkill_{target}"
         figures(f"{prefix}.streams_ended_after_kill_s", max(o.ended_at for o in outcomes) - killed_at, "s")
         figures(f"{prefix}.recovery_s", recovered_at - killed_at, "s", "kill to first 200, restart backoff 0.5 s")
@@ -170,27 +171,44 @@ async def test_engine_sigkill_with_streams_open(up_stack: UpStack, figures: Figu
         remove_files(held)  # a failed run leaves nothing behind either
 
 
+@pytest.mark.perf
+async def test_a_killed_engine_is_refused_promptly(up_stack: UpStack) -> None:
+    url = f"{up_stack.url}/v1/chat/completions"
+    group = os.getpgid(int(str(status(up_stack.state_dir)["engine_pid"])))
+    held = shared_memory_of(group_members(group))
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
+            os.killpg(group, signal.SIGKILL)
+            _, refusals = await poll_until_served(client, url, up_stack.headers, within=30)
+        assert refusals, "the first request after the kill found the engine up already"
+        slowest = max(elapsed for _, elapsed in refusals)
+        assert slowest < FAST_503, f"a 503 took {slowest:.2f} s"
+        await async_wait_until(lambda: not group_members(group), within=10, message="the killed group left processes")
+    finally:
+        remove_files(held)
+
+
 async def test_engine_api_server_sigstop_then_sigcont(redis_url: str, figures: Figures) -> None:
     with run_fake_engine(model=MODEL) as engine_proc:
         engine = FakeEngineControl(engine_proc)
-        with gateway_on(engine, redis_url) as gateway:
+        with gateway_on(engine, redis_url, NEMOTRON_RELAY__CHUNK_TIMEOUT="600") as gateway:
             url = f"{gateway.url}/v1/chat/completions"
             baseline = in_flight(gateway.url)
-            async with httpx.AsyncClient(timeout=httpx.Timeout(STALL_BOUND + 10, connect=5.0)) as client:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(STALL_WAIT, connect=5.0)) as client:
                 streams = await start_streams(client, url, gateway.headers, 4)
                 stopped_at = time.monotonic()
                 engine_proc.send_signal(signal.SIGSTOP)
                 try:
-                    outcomes = await asyncio.wait_for(asyncio.gather(*streams), STALL_BOUND + 5)
-                    refused_at = await first_refusal(client, url, gateway.headers, stopped_at + STALL_BOUND)
+                    outcomes = await asyncio.wait_for(asyncio.gather(*streams), STALL_WAIT)
+                    refused_at = await first_refusal(client, url, gateway.headers, stopped_at + STALL_WAIT)
                 finally:
                     engine_proc.send_signal(signal.SIGCONT)
                 continued_at = time.monotonic()
                 recovered_at, refusals = await poll_until_served(client, url, gateway.headers, within=30)
             for index, outcome in enumerate(outcomes):
                 assert_ended_with_one_error(outcome, f"stream {index}")
-                assert outcome.ended_at - stopped_at <= STALL_BOUND, f"stream {index} held past the stall bound"
-            assert_fast_503s(refusals)
+                assert "stopped generating" in outcome.errors[0]["message"], outcome.errors
+            assert_503s(refusals)
             figures("engine_sigstop.streams_ended_after_stop_s", max(o.ended_at for o in outcomes) - stopped_at, "s")
             figures("engine_sigstop.first_503_after_stop_s", refused_at - stopped_at, "s")
             figures("engine_sigstop.recovery_after_sigcont_s", recovered_at - continued_at, "s", "SIGCONT to first 200")
@@ -211,7 +229,7 @@ async def first_refusal(client: httpx.AsyncClient, url: str, headers: dict[str, 
         assert response.status_code == 503, response.text
         assert response.headers.get("retry-after", "").isdigit()
         return time.monotonic()
-    raise AssertionError("requests to a frozen engine were neither answered nor refused within the stall bound")
+    raise AssertionError("requests to a frozen engine were neither answered nor refused")
 
 
 CUT_STREAMS = 48

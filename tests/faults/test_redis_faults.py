@@ -25,10 +25,11 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 BURST = 80
 # Stated bound for 503s once Redis answers again (the target: none).
 MAX_503_AFTER_RESTART = 0
-# A refusal while Redis is down: the connection is refused at once, so well under a second.
-FAST_503 = 1.5
-# Slots of streams that ended during the outage, freed after Redis answers (their lease TTL is 30 s).
-SLOT_BOUND = 3.0
+# A refusal while Redis is down: the connection is refused at once (typically milliseconds).
+FAST_503 = 5.0
+# Slots of streams that ended during the outage are freed once Redis answers (within about a second), else only at
+# their lease's end (a 30 s TTL): a wait shorter than what is left of it can end only by the release.
+SLOT_WAIT = 15.0
 
 
 @pytest.fixture
@@ -71,21 +72,15 @@ async def test_redis_restart_under_load(
             ]
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
             await asyncio.to_thread(restartable_redis.stop)
-            down = []
-            for _ in range(10):
-                sent = time.monotonic()
-                response = await client.post(url, json=short, headers=gateway.headers)
-                down.append((response, time.monotonic() - sent))
+            down = [await client.post(url, json=short, headers=gateway.headers) for _ in range(10)]
             outcomes = await asyncio.wait_for(asyncio.gather(*streams), 30)
             await asyncio.to_thread(restartable_redis.start)
             answered_at = time.monotonic()
             after = await burst(40)
 
-            for response, elapsed in down:
+            for response in down:
                 assert response.status_code == 503, response.text
                 assert response.headers.get("retry-after", "").isdigit()
-                assert elapsed < FAST_503, f"a request took {elapsed:.2f} s with Redis down"
-            figures("redis_down.slowest_503_s", max(elapsed for _, elapsed in down), "s", "fail closed")
             for index, outcome in enumerate(outcomes):
                 assert outcome.done and not outcome.errors, f"stream {index} was not completed: {outcome.data[-2:]}"
             refused = [r.status_code for r in after].count(503)
@@ -94,7 +89,28 @@ async def test_redis_restart_under_load(
             assert [r.status_code for r in after] == [200] * 40
             await async_wait_until(
                 lambda: gateway.leases() == 0,
-                within=SLOT_BOUND,
-                message=f"{gateway.leases()} slots still held {SLOT_BOUND} s after Redis answered",
+                within=SLOT_WAIT,
+                message=f"{gateway.leases()} slots still held {SLOT_WAIT} s after Redis answered",
             )
             figures("redis_restart.slots_free_after_s", time.monotonic() - answered_at, "s", "since Redis answered")
+
+
+@pytest.mark.perf
+async def test_requests_are_refused_promptly_while_redis_is_down(
+    fault_engine: FakeEngineControl, restartable_redis: PrivateRedis, figures: Figures
+) -> None:
+    fault_engine.reset()
+    with gateway_on(fault_engine, restartable_redis.url) as gateway:
+        url = f"{gateway.url}/v1/chat/completions"
+        short = chat_body(stream=False, max_tokens=2, token_delay=0.05)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
+            assert (await client.post(url, json=short, headers=gateway.headers)).status_code == 200
+            await asyncio.to_thread(restartable_redis.stop)
+            took = []
+            for _ in range(10):
+                sent = time.monotonic()
+                response = await client.post(url, json=short, headers=gateway.headers)
+                took.append(time.monotonic() - sent)
+                assert response.status_code == 503, response.text
+    figures("redis_down.slowest_503_s", max(took), "s", "fail closed")
+    assert max(took) < FAST_503, f"requests took {took} s with Redis down"
