@@ -508,3 +508,25 @@ def test_counting_tokens_takes_no_place_in_the_engines_queue_and_charges_nothing
     assert used.headers["x-budget-remaining-tokens-day"] == "1000"  # nothing charged for it
     with claude(queue_bound, writer) as sdk:  # another key's generation is not refused for them
         assert sdk.messages.create(model=MODEL, max_tokens=2, messages=HI).usage.output_tokens == 2  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("stream=yes", "stream"),
+        ("stream=true&starting_after=%D9%A1%D9%A2", "starting_after"),  # Arabic-Indic digits pass isdigit()
+        ("stream=true&starting_after=-1", "starting_after"),
+        ("starting_after=1%0D%0AX-Injected:%201", "starting_after"),
+    ],
+    ids=["stream-word", "non-ascii-digits", "negative", "crlf"],
+)
+def test_a_stored_responses_query_values_of_the_wrong_kind_are_400s_naming_them(
+    urls: dict[str, str], redis_url: str, query: str, param: str
+) -> None:
+    key = new_key(redis_url)
+    with oai(urls["on"], key) as sdk:
+        made = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    answer = httpx.get(f"{urls['on']}/v1/responses/{made.id}?{query}", headers=bearer(key), timeout=20)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
