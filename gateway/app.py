@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from gateway import __version__
 from gateway.api import RouteTable, health, relayed, scrape
+from gateway.api.background import BackgroundRuns
 from gateway.api.validation import param_path
 from gateway.errors import GatewayError, InternalError, InvalidRequestError
 from gateway.http.middleware import ForwardedClientMiddleware, RequestContextMiddleware
@@ -117,10 +118,13 @@ def create_app(settings: Settings | None = None, shared: SharedEngineState | Non
         services = Services.build(settings, gateway_metrics, engine_view)
         await services.start()
         app.state.services = services
+        app.state.background = runs = BackgroundRuns(services)
+        await runs.start()
         logger.info("nemotron-gateway %s serving, engine %s", __version__, settings.engine_url)
         try:
             yield
         finally:
+            await runs.stop()
             await services.stop()
 
     app = FastAPI(

@@ -59,6 +59,9 @@ class RequestRecord:
     response_id: str | None = None
     # A stored response read back or cancelled: the usage it reports is its making's, counted then, so never taken.
     replay: bool = False
+    # Whether the gateway stores this exchange's Responses answer: then `response` holds its finished object.
+    keep_response: bool = False
+    response: dict[str, Any] | None = None
 
     def take_usage(self, usage: Any) -> None:
         """Record the engine's `usage` object (ignored when malformed): OpenAI's chat and completion names
@@ -92,6 +95,8 @@ class RequestRecord:
         inner = response if isinstance(response, dict) else answer
         if inner.get("object") == "response" and isinstance(inner.get("id"), str):
             self.response_id = inner["id"]
+            if self.keep_response:
+                self.response = inner
         self.take_usage(answer.get("usage") if "usage" in answer else inner.get("usage"))
 
     @property

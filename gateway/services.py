@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
-from gateway.auth import KeyStore, ResponseOwners
+from gateway.auth import KeyStore
 from gateway.metrics.exposition import Exposition
 from gateway.metrics.instruments import GatewayMetrics
 from gateway.ratelimit import EngineAdmission, FailedAuthGuard, RedisRateLimiter
@@ -23,6 +23,7 @@ from gateway.relay.exchange import EngineRelay
 from gateway.relay.monitor import EngineMonitor
 from gateway.relay.readiness import SharedEngineState
 from gateway.relay.served_model import ModelOverrides
+from gateway.responses import ResponseStore
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Services:
     relay: EngineRelay
     redis: redis_asyncio.Redis
     keys: KeyStore
-    owners: ResponseOwners
+    responses: ResponseStore
     limiter: RedisRateLimiter
     admission: EngineAdmission
     guard: FailedAuthGuard
@@ -73,7 +74,7 @@ class Services:
             relay=EngineRelay(engine, monitor, activity, settings.relay, metrics),
             redis=redis,
             keys=KeyStore(redis, settings, metrics),
-            owners=ResponseOwners(redis, settings, metrics),
+            responses=ResponseStore(redis, settings, metrics),
             limiter=RedisRateLimiter(redis, settings, metrics),
             admission=admission,
             guard=FailedAuthGuard(redis, settings, metrics),

@@ -384,16 +384,6 @@ class EngineSettings(_Group):
     run_doctor: bool = Field(
         True, description="Run the fatal preflight checks before spawning the engine (vLLM's verdict beside its start)."
     )
-    responses_store: bool = Field(
-        False,
-        description="Keep Responses API answers in the engine (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, which the "
-        "supervisor sets from this): `previous_response_id`, `background`, GET and cancel of /v1/responses/{id} "
-        "work, each only for the key that created the response. In the engine's memory, never evicted, lost when "
-        "it restarts. The gateway reads the same setting.",
-    )
-    responses_store_ttl: float = Field(
-        86400.0, gt=0, description="Seconds the gateway remembers which key created a stored response."
-    )
 
     @model_validator(mode="before")
     @classmethod
@@ -406,6 +396,48 @@ class EngineSettings(_Group):
             logger.warning("NEMOTRON_ENGINE__PROBE_INTERVAL is deprecated: use NEMOTRON_ENGINE__HEALTH_INTERVAL")
             data.setdefault("health_interval", value)
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_store_retired(cls, data: Any) -> Any:
+        # The engine's own Responses store is always off now (the gateway keeps that state in Redis): its switch and
+        # the owners' TTL are read and ignored, so that a unit file that still sets them starts.
+        if isinstance(data, dict) and ({"responses_store", "responses_store_ttl"} & data.keys()):
+            data = {k: v for k, v in data.items() if k not in ("responses_store", "responses_store_ttl")}
+            logger.warning(
+                "NEMOTRON_ENGINE__RESPONSES_STORE(_TTL) is ignored: the gateway keeps the Responses API's state "
+                "(NEMOTRON_RESPONSES__*)"
+            )
+        return data
+
+
+class ResponsesSettings(_Group):
+    """The Responses API's stored state, kept by the gateway in Redis (`NEMOTRON_RESPONSES__<FIELD>`): the engine is
+    always called with its own store off."""
+
+    store_ttl: float = Field(
+        30 * 86400.0,
+        gt=0,
+        description="Seconds a stored response (its input and output items, usage, status; a background response's "
+        "events) is kept after it was made; then it is gone, as if deleted.",
+    )
+    max_per_key: int = Field(
+        10_000,
+        ge=1,
+        description="Most stored responses one key keeps; storing one more evicts that key's oldest first.",
+    )
+    max_bytes_per_key: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Most bytes of stored responses one key keeps; storing more evicts that key's oldest first (a "
+        "single response larger than this is not kept at all).",
+    )
+    max_chain: int = Field(
+        100,
+        ge=1,
+        description="Most responses a `previous_response_id` chain may hold (the continued one and those before "
+        "it); a longer chain is refused with a 400: send the conversation in `input` instead.",
+    )
 
 
 class HttpSettings(_Group):
@@ -565,6 +597,7 @@ class Settings(BaseSettings):
     http: HttpSettings = Field(default_factory=HttpSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
 
     @field_validator("redis_url")
     @classmethod

@@ -6,12 +6,17 @@ without FastAPI's dependency solving (see `api/table.py`), and the routers' hand
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import Request
 
 from gateway.auth import ApiKey
 from gateway.errors import AuthenticationError
 from gateway.request_record import RequestRecord
 from gateway.services import Services
+
+if TYPE_CHECKING:
+    from gateway.api.background import BackgroundRuns
 
 _MISSING_KEY = "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...' (or 'x-api-key: sk-...')."
 
@@ -20,6 +25,12 @@ def get_services(request: Request) -> Services:
     """The app's services (built in the lifespan)."""
     services: Services = request.app.state.services
     return services
+
+
+def get_background(request: Request) -> BackgroundRuns:
+    """The app's runs of background responses (started in the lifespan)."""
+    runs: BackgroundRuns = request.app.state.background
+    return runs
 
 
 def get_record(request: Request) -> RequestRecord:

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from gateway.api.context import get_record, get_services, require_api_key
+from gateway.api.context import get_background, get_record, get_services, require_api_key
+from gateway.api.conversation import Turn
 from gateway.api.validation import Prepare, PreparedRequest, effective_priority
 from gateway.auth import ApiKey
 from gateway.errors import QuotaExceededError, RequestTooLargeError
 from gateway.ratelimit import EffectiveLimits, RequestLease
 from gateway.relay.disconnect import disconnect_watch
-from gateway.relay.exchange import AfterSettle, Exchange
+from gateway.relay.exchange import Exchange
 from gateway.relay.shapes import WireShape
-from gateway.request_record import RequestRecord
 from gateway.services import Services
 from gateway.types import ASGIApp
 
@@ -44,9 +44,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-# A route's own step once the request is prepared and admitted (the stored-response ownership); it returns
-# what runs once the exchange is settled, or None.
-AfterAdmit = Callable[[Request, ApiKey | None, PreparedRequest, RequestRecord], Awaitable[AfterSettle | None]]
+# A route's stored state, read before its body is prepared (the Responses API's: `api/conversation.py`).
+BeginTurn = Callable[[Request, ApiKey | None, bytes], Awaitable[Turn]]
 
 
 # vLLM's header for a request's priority (0.32: read before the body's `priority` by every generating route, and
@@ -57,14 +56,14 @@ PRIORITY_HEADER = "X-Vllm-Priority"
 @dataclass(frozen=True, slots=True)
 class Relayed:
     """How one API is relayed: the engine path, the body's preparation, the wire shape, the client headers
-    passed on to the engine, an optional step of its own, and where its engine reads a priority from (the body's
-    `priority`, or `priority_header` where the engine's request model has no such field)."""
+    passed on to the engine, the stored state it keeps (`begin_turn`), and where its engine reads a priority from
+    (the body's `priority`, or `priority_header` where the engine's request model has no such field)."""
 
     path: str
     prepare: Prepare
     shape: WireShape
     passed_headers: tuple[str, ...] = ()
-    after_admit: AfterAdmit | None = None
+    begin_turn: BeginTurn | None = None
     priority_header: bool = False
 
     def engine_request(
@@ -92,12 +91,19 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         lease.precheck()
     body = await _read_body(request, services.settings.max_body_bytes)
     info = await services.monitor.require_ready()
-    prepared = api.prepare(body, services.settings, info)
+    turn = await api.begin_turn(request, key, body) if api.begin_turn is not None else None
+    prepared = (api.prepare if turn is None else turn.prepare)(body, services.settings, info)
     record.model, record.stream = prepared.model, prepared.stream
     if key is not None:
         services.keys.check_model(key, prepared.model)
         prepared = prepared.capped(_token_limit(services.limiter.effective_limits(key)), info.context_length)
-    after = await api.after_admit(request, key, prepared, record) if api.after_admit is not None else None
+    if turn is not None and turn.background:
+        # Counted like any request: admitted against the key's limits now, run by the gateway (its lease held).
+        if lease is not None:
+            prepared = await _acquire(lease, prepared)
+        priority = _priority(services, key, prepared)
+        return await get_background(request).create(turn, prepared, priority, key, lease, record)
+    after = turn.keeper(record) if turn is not None else None
     admitting = None
     if lease is not None:
         # A key admitted last time goes on to the engine while Redis decides (the answer waits for it), unless the
@@ -122,6 +128,7 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
             lease=lease,
             admitting=admitting,
             after=after,
+            response_fields=turn.response_fields if turn is not None else None,
         )
     )
 
@@ -156,11 +163,7 @@ async def _admit(
         # Counting tokens takes no place in the engine's queue: counted there, it would refuse other keys'
         # generations until the next scrape of the engine's gauges.
         return None
-    priority = effective_priority(
-        key.priority if key is not None else None,
-        services.settings.limits.default_priority,
-        prepared.requested_priority,
-    )
+    priority = _priority(services, key, prepared)
     try:
         await services.admission.admit(priority)
         scheduling = services.monitor.priority_scheduling
@@ -172,6 +175,15 @@ async def _admit(
         if lease is not None:
             await lease.release(0, served=False)
         raise
+
+
+def _priority(services: Services, key: ApiKey | None, prepared: PreparedRequest) -> int:
+    """The priority `prepared` is served at (its key's, or the client's less urgent one)."""
+    return effective_priority(
+        key.priority if key is not None else None,
+        services.settings.limits.default_priority,
+        prepared.requested_priority,
+    )
 
 
 @router.get("/v1/models")

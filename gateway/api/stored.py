@@ -1,109 +1,64 @@
-"""Stored Responses API answers: who may read, continue or cancel one, and the routes that do.
+"""The stored Responses API routes: retrieve, delete, list the input items of and cancel a response.
 
-vLLM keeps a response (in its memory) only when the operator turned its store on (`engine.responses_store`);
-otherwise the requests that need one get a clear 400 (validation) or 404 (here). With the store on, the id of
-every response is mapped to the key that created it (`auth.ResponseOwners`: the key's record, kept by a rotation, not
-its name; never the secret), for `engine.responses_store_ttl`; another key's id, or an unknown one, is a 404 as OpenAI
-answers it. Reading or cancelling one counts against the key's requests/min and concurrency like any request (its
-lease held until the exchange settles, a streamed replay's end included) and charges no tokens: nothing is generated.
+Every one answers from the gateway's store (`responses.ResponseStore`, Redis), never from an engine, and only for the
+key that made the response (`conversation.owner_of`): another key's id, like an unknown, expired or deleted one, is a
+404 as OpenAI answers it. Each counts against the key's requests/min and concurrency like any request (its lease held
+until the answer is out, a followed stream's end included) and charges no tokens: nothing is generated. A background
+response's events are replayed from `starting_after` and followed until it finishes (`replay`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
+import orjson
 from fastapi import Request
 
 from gateway.api.context import get_record, get_services, require_api_key
-from gateway.api.validation import STORE_OFF, PreparedRequest, parse_json_object
-from gateway.auth import ApiKey
-from gateway.errors import InvalidRequestError, KeyStoreUnavailableError, ResponseNotFoundError
+from gateway.api.conversation import checked_id, not_found, owner_of
+from gateway.errors import InvalidRequestError
 from gateway.ratelimit import RequestLease
-from gateway.relay.disconnect import disconnect_watch
-from gateway.relay.exchange import Exchange
-from gateway.relay.shapes import RESPONSES
-from gateway.request_record import RequestRecord
-from gateway.services import Services
-from gateway.types import ASGIApp
+from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
+from gateway.relay.exchange import BufferedAnswer
+from gateway.relay.sse import KEEP_ALIVE, SSE_HEADERS
+from gateway.responses import ResponseStore, StoredResponse
+from gateway.types import ASGIApp, Receive, Scope, Send
 
-# Response ids are vLLM's `resp_<hex>`; anything else is not one, and never reaches Redis or the engine.
-_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-
-
-def _owner(key: ApiKey | None) -> str:
-    # With auth off there is one caller: every response is its own.
-    return key.key_id if key is not None else "-"
-
-
-async def _check_owner(services: Services, key: ApiKey | None, response_id: str, param: str | None) -> None:
-    missing = ResponseNotFoundError(f"No response found with id {response_id[:80]!a}.", param=param)
-    if len(response_id) > 128 or not set(response_id) <= _ID_CHARS:
-        raise missing
-    if await services.owners.owner(response_id) != _owner(key):
-        raise missing
-
-
-async def remember_owner(
-    request: Request, key: ApiKey | None, prepared: PreparedRequest, record: RequestRecord
-) -> Callable[[], Awaitable[None]] | None:
-    """POST /v1/responses with the store on: a `previous_response_id` must be the key's own; the new response's id
-    is remembered as the key's once the exchange ends."""
-    services = get_services(request)
-    if not services.settings.engine.responses_store:
-        return None
-    previous = parse_json_object(prepared.body).get("previous_response_id")
-    if isinstance(previous, str):
-        await _check_owner(services, key, previous, "previous_response_id")
-
-    async def remember() -> None:
-        if record.response_id is None:
-            return
-        try:
-            await services.owners.remember(record.response_id, _owner(key))
-        except KeyStoreUnavailableError:
-            # The answer is out already; the response is then only unreadable later (a 404), never another's.
-            pass
-
-    return remember
+# How often a followed background response is looked at for new events, and after how long without any the
+# follower sends a keep-alive.
+_FOLLOW_INTERVAL = 0.2
+_KEEP_ALIVE_AFTER = 10.0
+_UNFINISHED = ("queued", "in_progress")
+_MAX_LIST = 100
 
 
 def _response_id(request: Request) -> str:
-    # /v1/responses/{id} or /v1/responses/{id}/cancel
-    return request.url.path.split("/")[3]
+    # /v1/responses/{id}, /v1/responses/{id}/cancel, /v1/responses/{id}/input_items
+    return checked_id(request.url.path.split("/")[3])
 
 
-def _stored_query(request: Request) -> dict[str, str]:
-    """The query values the engine reads on GET /v1/responses/{id}, checked: `stream` true or false, `starting_after`
-    a whole number in ASCII digits (`isdigit` alone takes other scripts' digits, which cannot go on the engine's
-    request line); others are dropped."""
-    query = {k: v for k, v in request.query_params.items() if k in ("stream", "starting_after")}
-    stream = query.get("stream")
-    if stream is not None:
-        if stream.lower() not in ("true", "false"):
-            raise InvalidRequestError(f"'stream' is {stream[:40]!a}; send true or false.", param="stream")
-        query["stream"] = stream.lower()
-    after = query.get("starting_after")
-    if after is not None and not (after.isascii() and after.isdigit() and len(after) <= 18):
-        raise InvalidRequestError(
-            f"'starting_after' is {after[:40]!a}; send the sequence number of an event (a whole number from 0).",
-            param="starting_after",
-        )
-    return query
+def _whole_number(request: Request, name: str, most: int) -> int | None:
+    value = request.query_params.get(name)
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit() and len(value) <= 18) or int(value) > most:
+        raise InvalidRequestError(f"'{name}' is {value[:40]!a}; send a whole number from 0 to {most}.", param=name)
+    return int(value)
 
 
-def _engine_path(request: Request, response_id: str, *, cancel: bool) -> tuple[str, bool]:
-    """The engine's path for reading or cancelling `response_id` (with the checked query), and whether the answer is
-    a stream (a replay of the response's events)."""
-    path = f"/v1/responses/{response_id}" + ("/cancel" if cancel else "")
-    if cancel:
-        return path, False
-    query = _stored_query(request)
-    if query:
-        path += "?" + "&".join(f"{k}={v}" for k, v in query.items())
-    return path, query.get("stream") == "true"
+def _choice(request: Request, name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = request.query_params.get(name, default)
+    if value.lower() not in allowed:
+        raise InvalidRequestError(f"'{name}' is {value[:40]!a}; send {' or '.join(allowed)}.", param=name)
+    return value.lower()
 
 
-async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
+async def _stored(request: Request) -> tuple[StoredResponse, ResponseStore, str, RequestLease | None]:
+    """The caller's stored response of this path, its lease admitted (a request, a concurrency slot, no tokens)."""
     services = get_services(request)
     record = get_record(request)
     key = await require_api_key(request, services)
@@ -111,34 +66,178 @@ async def _stored(request: Request, *, cancel: bool) -> ASGIApp:
     if lease is not None:
         lease.precheck()
     response_id = _response_id(request)
-    if not services.settings.engine.responses_store:
-        raise ResponseNotFoundError(STORE_OFF.format(what="reading or cancelling a stored response"))
-    await _check_owner(services, key, response_id, None)
-    await services.monitor.require_ready()
-    path, stream = _engine_path(request, response_id, cancel=cancel)
-    record.stream, record.replay = stream, True
+    owner = owner_of(key)
+    stored = await services.responses.get(response_id, owner)
+    if stored is None:
+        raise not_found(response_id)
+    record.replay = True
     if lease is not None:
-        await lease.acquire(0)  # a request, a concurrency slot until the exchange settles; no tokens
-    return await services.relay.forward(
-        Exchange(
-            path,
-            b"",
-            record,
-            request.receive,
-            stream=stream,
-            shape=RESPONSES,
-            method="POST" if cancel else "GET",
-            watch=disconnect_watch(request.scope),
-            lease=lease,
-        )
-    )
+        await lease.acquire(0)
+    return stored, services.responses, owner, lease
+
+
+async def _answer(body: dict[str, Any], lease: RequestLease | None, request: Request) -> ASGIApp:
+    if lease is not None:
+        await lease.release(0, get_record(request))
+    return BufferedAnswer(200, orjson.dumps(body), "application/json", lease.headers if lease else {})
 
 
 async def retrieve(request: Request) -> ASGIApp:
-    """GET /v1/responses/{id}: a stored response (or its events, `?stream=true`), for the key that created it."""
-    return await _stored(request, cancel=False)
+    """GET /v1/responses/{id}: the key's stored response; `?stream=true` replays a background response's events
+    after `starting_after` and follows it until it finishes."""
+    stream = _choice(request, "stream", ("true", "false"), "false") == "true"
+    after = _whole_number(request, "starting_after", 10**12)
+    stored, store, owner, lease = await _stored(request)
+    if not stream:
+        return await _answer(stored.response, lease, request)
+    if stored.response.get("background") is not True:
+        if lease is not None:
+            await lease.release(0, get_record(request))
+        raise InvalidRequestError(
+            "Only a background response's events can be streamed again; retrieve it without 'stream'.", param="stream"
+        )
+    get_record(request).stream = True
+    if lease is None:
+        return replay(store, stored.response["id"], owner, -1 if after is None else after)
+    held = lease
+
+    async def release() -> None:
+        await held.release(0, get_record(request))
+
+    return replay(store, stored.response["id"], owner, -1 if after is None else after, release, held.headers)
+
+
+async def delete(request: Request) -> ASGIApp:
+    """DELETE /v1/responses/{id}: delete the key's stored response (a background one still running is stopped)."""
+    stored, store, owner, lease = await _stored(request)
+    response_id = stored.response["id"]
+    if not await store.delete(response_id, owner):
+        raise not_found(response_id)
+    return await _answer({"id": response_id, "object": "response", "deleted": True}, lease, request)
 
 
 async def cancel(request: Request) -> ASGIApp:
-    """POST /v1/responses/{id}/cancel: cancel a stored background response of the key that created it."""
-    return await _stored(request, cancel=True)
+    """POST /v1/responses/{id}/cancel: stop a background response of the key's; a finished one is answered as it
+    is."""
+    stored, store, owner, lease = await _stored(request)
+    response = stored.response
+    if response.get("background") is not True:
+        if lease is not None:
+            await lease.release(0, get_record(request))
+        raise InvalidRequestError("Only a background response can be cancelled.", param="response_id")
+    if response.get("status") in _UNFINISHED:
+        await store.request_cancel(response["id"])
+        response = {**response, "status": "cancelled"}
+        await store.save(owner, response, stored.input_items, previous_response_id=stored.previous_response_id)
+    return await _answer(response, lease, request)
+
+
+def _listed_item(response_id: str, index: int, item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists it: with an id (stable: derived from the response's and its place), a
+    message's text as content parts."""
+    digest = hashlib.sha256(f"{response_id}:{index}".encode()).hexdigest()[:32]
+    listed = {"id": item.get("id") or f"msg_{digest}", **item}
+    content = item.get("content")
+    if isinstance(content, str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        listed["content"] = [{"type": part, "text": content}]
+    listed.setdefault("type", "message")
+    if listed["type"] == "message":
+        listed.setdefault("status", "completed")
+    return listed
+
+
+async def input_items(request: Request) -> ASGIApp:
+    """GET /v1/responses/{id}/input_items: the response's own input items, paged as OpenAI pages them (`limit` 1 to
+    100, default 20; `order` desc by default; `after` an item id)."""
+    limit = _whole_number(request, "limit", _MAX_LIST)
+    if limit == 0:
+        raise InvalidRequestError(f"'limit' is 0; send a whole number from 1 to {_MAX_LIST}.", param="limit")
+    order = _choice(request, "order", ("asc", "desc"), "desc")
+    after = request.query_params.get("after")
+    stored, _store, _owner, lease = await _stored(request)
+    response_id = stored.response["id"]
+    items = [_listed_item(response_id, i, item) for i, item in enumerate(stored.input_items)]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        place = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if place is None:
+            if lease is not None:
+                await lease.release(0, get_record(request))
+            raise InvalidRequestError(f"'after' is {after[:80]!a}, not an item of this response.", param="after")
+        items = items[place + 1 :]
+    page = items[: limit or 20]
+    listing = {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
+    return await _answer(listing, lease, request)
+
+
+def replay(
+    store: ResponseStore,
+    response_id: str,
+    owner: str,
+    after: int,
+    release: Callable[[], Awaitable[None]] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> ASGIApp:
+    """A background response's stream: its events after the `after`th (-1: all), then the new ones as its run
+    makes them, until its end (a terminal event, or the response finished, deleted or gone); `release` once over.
+    `headers`: the key's rate-limit headers."""
+    raw = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in (headers or {}).items()]
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *raw]})
+        try:
+            await run_until_disconnect(receive, _follow(store, response_id, owner, after + 1, send))
+        except ClientDisconnectedError:
+            pass
+        finally:
+            if release is not None:
+                await release()
+
+    return app
+
+
+async def _follow(store: ResponseStore, response_id: str, owner: str, start: int, send: Send) -> None:
+    cursor, quiet_since = start, time.monotonic()
+    while True:
+        events = await store.events(response_id, cursor)
+        for event in events:
+            await send({"type": "http.response.body", "body": bytes(event) + b"\n\n", "more_body": True})
+            if _ends(bytes(event)):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+        cursor += len(events)
+        if events:
+            quiet_since = time.monotonic()
+            continue
+        stored = await store.get(response_id, owner)
+        status = stored.response.get("status") if stored is not None else None
+        if status not in _UNFINISHED:
+            if stored is not None and status == "failed":
+                # Failed before the engine answered: no terminal event of its own.
+                end = {"type": "response.failed", "response": stored.response}
+                body = b"event: response.failed\ndata: %s\n\n" % orjson.dumps(end)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if time.monotonic() - quiet_since > _KEEP_ALIVE_AFTER:
+            await send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
+            quiet_since = time.monotonic()
+        await asyncio.sleep(_FOLLOW_INTERVAL)
+
+
+def _ends(event: bytes) -> bool:
+    head = event.split(b"\n", 1)[0]
+    return head in (
+        b"event: response.completed",
+        b"event: response.incomplete",
+        b"event: response.failed",
+        b"event: error",
+    )

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from gateway.api import stored
-from gateway.api.relayed import AfterAdmit, Relayed
+from gateway.api import conversation, stored
+from gateway.api.relayed import BeginTurn, Relayed
 from gateway.api.validation import (
     Prepare,
     prepare_chat,
@@ -73,18 +73,20 @@ def _relayed(
     shape: WireShape,
     *,
     passed_headers: tuple[str, ...] = (),
-    after_admit: AfterAdmit | None = None,
+    begin_turn: BeginTurn | None = None,
     priority_header: bool = False,
 ) -> ServedRoute:
-    relayed = Relayed(path, prepare, shape, passed_headers, after_admit, priority_header)
+    relayed = Relayed(path, prepare, shape, passed_headers, begin_turn, priority_header)
     return ServedRoute("POST", path, relayed=relayed)
 
 
 SERVED: tuple[ServedRoute, ...] = (
     _relayed("/v1/chat/completions", prepare_chat, CHAT),
     _relayed("/v1/completions", prepare_completion, COMPLETIONS),
-    _relayed("/v1/responses", prepare_responses, RESPONSES, after_admit=stored.remember_owner),
+    _relayed("/v1/responses", prepare_responses, RESPONSES, begin_turn=conversation.begin_turn),
     ServedRoute("GET", "/v1/responses/{id}", stored.retrieve, shape=RESPONSES),
+    ServedRoute("DELETE", "/v1/responses/{id}", stored.delete, shape=RESPONSES),
+    ServedRoute("GET", "/v1/responses/{id}/input_items", stored.input_items, shape=RESPONSES),
     ServedRoute("POST", "/v1/responses/{id}/cancel", stored.cancel, shape=RESPONSES),
     # vLLM's Messages request model has no `priority`: it reads the header.
     _relayed("/v1/messages", prepare_messages, MESSAGES, passed_headers=_ANTHROPIC_HEADERS, priority_header=True),

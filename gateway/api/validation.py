@@ -8,7 +8,7 @@ Imports settings, errors, bounds, schemas, reasoning and the relay's ModelInfo o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -449,33 +449,48 @@ _COUNT_TOKENS = _Route(
     stream_options=False,
 )
 
-# Requests that need the engine's response store, by the field that asks for it.
-_STORED_STATE = ("previous_response_id", "background")
-STORE_OFF = (
-    "Stored responses are off on this gateway (the operator's NEMOTRON_ENGINE__RESPONSES_STORE), so {what} is not "
-    "available; send the whole conversation in 'input' instead."
-)
+
+def as_input_items(source: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A Responses `input` as a list of items: a string is one user message."""
+    return [{"type": "message", "role": "user", "content": source}] if isinstance(source, str) else source
 
 
-def prepare_responses(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+def prepare_responses(
+    body: bytes,
+    settings: Settings,
+    info: ModelInfo,
+    *,
+    history: Sequence[dict[str, Any]] = (),
+    background: bool = False,
+) -> PreparedRequest:
     """Validate a Responses API request and apply policy: `instructions` is the system message for the default
-    system message, `reasoning.effort` the reasoning switch; requests needing the response store are refused
-    when it is off. Raises InvalidRequestError / NotFoundError."""
+    system message, `reasoning.effort` the reasoning switch. The engine keeps no state: a continued conversation's
+    `history` (the stored chain's items, `api/conversation.py`) goes before the request's own input, in place of
+    `previous_response_id`, and a `background` request goes as a stream the gateway reads. Raises
+    InvalidRequestError / NotFoundError."""
 
     def policy(data: dict[str, Any]) -> int:
-        if not settings.engine.responses_store:
-            for field in _STORED_STATE:
-                if data.get(field):
-                    raise InvalidRequestError(STORE_OFF.format(what=f"'{field}'"), param=field)
+        data.pop("previous_response_id", None)
+        data.pop("background", None)
+        if background:
+            data["stream"] = True
+        if history:
+            data["input"] = [*history, *as_input_items(data["input"])]
         if settings.inject_system_message and data.get("instructions") is None and not _has_system_item(data):
             data["instructions"] = settings.default_system_message
         apply_responses_reasoning(data, served_switch(settings.engine))
         text = _text_length(data.get("instructions"))
         source = data["input"]
-        text += len(source) if isinstance(source, str) else sum(_text_length(i.get("content")) for i in source)
+        text += len(source) if isinstance(source, str) else sum(_item_text_length(item) for item in source)
         return text // _CHARS_PER_TOKEN + 1
 
     return _prepare(body, _RESPONSES, settings, info, policy)
+
+
+def _item_text_length(item: dict[str, Any]) -> int:
+    # A message's content, a function call's arguments, a call's output: what the engine reads of an item.
+    extra = (item.get(field) for field in ("arguments", "output"))
+    return _text_length(item.get("content")) + sum(len(value) for value in extra if isinstance(value, str))
 
 
 def _has_system_item(data: dict[str, Any]) -> bool:

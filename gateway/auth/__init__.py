@@ -13,7 +13,6 @@ from gateway.auth.keys import (
     display_prefix,
     generate_secret,
 )
-from gateway.auth.owners import ResponseOwners
 from gateway.auth.store import KeyStore
 
 __all__ = [
@@ -26,7 +25,6 @@ __all__ = [
     "KeyRevokedError",
     "KeyState",
     "KeyStore",
-    "ResponseOwners",
     "check_model",
     "display_prefix",
     "generate_secret",

@@ -186,14 +186,14 @@ def engine_environment(
     base: Mapping[str, str] | None = None,
     api_key: str | None = None,
     *,
-    responses_store: bool = False,
     gpus: str | None = None,
 ) -> dict[str, str]:
     """The engine's environment: ours, the profile's variables, no usage reports to vLLM's stats server, NVLink
     multicast off and GPUs numbered in PCI bus order (unless ours or the profile's say otherwise), the GPUs it may
     use (`engine.gpus`) as CUDA_VISIBLE_DEVICES, the engine API key the gateway sends (`engine_api_key`) as
-    VLLM_API_KEY (in argv it would show in `ps`), and the Responses API store switch (`engine.responses_store`),
-    set either way so an inherited one cannot differ."""
+    VLLM_API_KEY (in argv it would show in `ps`), and vLLM's own Responses API store off, whatever is inherited: the
+    gateway keeps that state (in Redis, `gateway/responses/`), and vLLM's store is per process, never evicted and lost
+    with it."""
     env = dict(os.environ if base is None else base)
     env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.update(profile.env)
@@ -203,7 +203,7 @@ def engine_environment(
         env[GPUS_VARIABLE] = gpus
     if api_key:
         env[ENGINE_KEY_VARIABLE] = api_key
-    env[RESPONSES_STORE_VARIABLE] = "1" if responses_store else "0"
+    env[RESPONSES_STORE_VARIABLE] = "0"
     return env
 
 
@@ -243,9 +243,7 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
 
 def _environment(settings: Settings, profile: Profile) -> dict[str, str]:
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else None
-    return engine_environment(
-        profile, api_key=api_key, responses_store=settings.engine.responses_store, gpus=settings.engine.gpus
-    )
+    return engine_environment(profile, api_key=api_key, gpus=settings.engine.gpus)
 
 
 def unchecked_argv(settings: Settings) -> tuple[Profile, list[str], dict[str, str]]:

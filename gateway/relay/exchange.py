@@ -217,7 +217,8 @@ class Exchange:
     `receive`; `watch`, the request's connection where the server offers one, tells of a client gone without a
     second task, else `receive` is read for it); and what it holds for the key (`lease`; `admitting`, the key's
     admission where it runs beside the exchange, `RequestLease.acquire_beside`; `after`, the route's own step once
-    settled)."""
+    settled; `response_fields`, what the gateway sets on every Responses object the engine answers: the stored
+    state's `store` and `previous_response_id`, which the engine, called without its store, cannot know)."""
 
     path: str
     body: bytes
@@ -232,6 +233,7 @@ class Exchange:
     lease: HeldLease | None = None
     admitting: asyncio.Task[None] | None = None
     after: AfterSettle | None = None
+    response_fields: Mapping[str, Any] | None = None
 
 
 class EngineRelay:
@@ -301,7 +303,7 @@ class EngineRelay:
             error_body = shape.engine_error_body(upstream.status, answer or b"")
             return BufferedAnswer(upstream.status, error_body, "application/json", headers)
         if answer is not None:
-            return await self._answered(upstream, answer, record, headers, settlement)
+            return await self._answered(upstream, answer, record, headers, settlement, exchange.response_fields)
         return SSERelay(
             upstream,
             record,
@@ -312,6 +314,7 @@ class EngineRelay:
             headers=[(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
             settlement=settlement,
             activity=self._activity,
+            response_fields=exchange.response_fields,
         )
 
     async def _answered(
@@ -321,6 +324,7 @@ class EngineRelay:
         record: RequestRecord,
         headers: Mapping[str, str],
         settlement: Settlement,
+        response_fields: Mapping[str, Any] | None,
     ) -> BufferedAnswer:
         self._activity.progress()
         try:
@@ -328,6 +332,9 @@ class EngineRelay:
         except orjson.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict):
+            if response_fields and parsed.get("object") == "response":
+                parsed.update(response_fields)
+                answer = orjson.dumps(parsed)
             record.take_answer(parsed)
         await settlement.settle()
         return BufferedAnswer(200, answer, upstream.content_type, headers)

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import orjson
@@ -50,6 +50,9 @@ _USAGE_MARKERS = (b'"usage":{', b'"usage": {')
 # pump's way, which finds no usage in it).
 _USAGE_KEY = b'"usage":'
 _DATA = b"data:"
+# A Responses event carrying the response object (created, in progress, the terminal one), as vLLM's compact JSON
+# writes it; client text inside a JSON string has its quotes escaped and cannot match.
+_RESPONSE_OBJECT = b'"response":{'
 SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -159,6 +162,7 @@ class SSERelay:
         headers: Iterable[tuple[bytes, bytes]] = (),
         settlement: Settles | None = None,
         activity: EngineActivity | None = None,
+        response_fields: Mapping[str, Any] | None = None,
     ) -> None:
         self._upstream = upstream
         self._record = record
@@ -173,10 +177,14 @@ class SSERelay:
         self._alarm: _SilenceAlarm | None = None
         self._frozen = False
         self._writer: BodyWriter | None = None
-        # What a chunk relayed straight must not hold: a usage line (the pump reads it) or the end of the stream.
-        self._held_marks = (_USAGE_KEY, *shape.end_marks)
-        # What makes the pump parse a chunk's data lines: a usage object, or a candidate for the end.
-        self._read_marks = (*_USAGE_MARKERS, *shape.end_marks)
+        # Fields the gateway sets on every response object of a Responses stream (its stored state's).
+        self._response_fields = response_fields
+        patched = (_RESPONSE_OBJECT,) if response_fields else ()
+        # What a chunk relayed straight must not hold: a usage line (the pump reads it), the end of the stream, or
+        # a response object to patch.
+        self._held_marks = (_USAGE_KEY, *shape.end_marks, *patched)
+        # What makes the pump parse a chunk's data lines: a usage object, a candidate for the end, a response object.
+        self._read_marks = (*_USAGE_MARKERS, *shape.end_marks, *patched)
         # The pump waits on the engine with nothing buffered and no partial line: a chunk may go straight out.
         self._parked = False
 
@@ -367,6 +375,9 @@ class SSERelay:
                     event = None
                 if not isinstance(event, dict):
                     event = None
+                elif self._response_fields and isinstance(event.get("response"), dict):
+                    event["response"].update(self._response_fields)
+                    line = _DATA + b" " + orjson.dumps(event)
                 ends = ends or shape.ends(line, event)
                 answer = shape.answer_of(event) if event is not None else None
                 if answer is not None:

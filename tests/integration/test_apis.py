@@ -46,7 +46,7 @@ def store_engine() -> Iterator[FakeEngineControl]:
 
 @pytest.fixture(scope="module")
 def gateways(store_engine: FakeEngineControl, redis_url: str) -> Iterator[dict[str, ServerProcess]]:
-    on = {**BASE_ENV, "NEMOTRON_ENGINE__RESPONSES_STORE": "true"}
+    on = dict(BASE_ENV)
     off = {**BASE_ENV, "NEMOTRON_ENGINE__PRESET": "nemotron-nano-9b-v2"}
     with (
         run_gateway(store_engine.base_url, redis_url, env=on) as on_proc,

@@ -47,6 +47,7 @@ SERVICES = (
     "gateway/supervisor/",
     "gateway/doctor/",
     "gateway/metrics/",
+    "gateway/responses/",
 )
 WEB_LAYER = ("fastapi", "starlette", "gateway.api", "gateway.app", "gateway.http", "gateway.services")
 ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/engine/", "gateway/supervisor/", "gateway/doctor/")

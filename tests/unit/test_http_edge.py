@@ -35,6 +35,8 @@ def test_hot_rows_are_the_relayed_apis_and_the_stored_responses() -> None:
         ("POST", "/v1/completions", "completions"),
         ("POST", "/v1/responses", "responses"),
         ("GET", "/v1/responses/{id}", "responses"),
+        ("DELETE", "/v1/responses/{id}", "responses"),
+        ("GET", "/v1/responses/{id}/input_items", "responses"),
         ("POST", "/v1/responses/{id}/cancel", "responses"),
         ("POST", "/v1/messages", "messages"),
         ("POST", "/v1/messages/count_tokens", "messages"),
@@ -49,7 +51,11 @@ def test_a_path_with_an_id_finds_its_templated_row_and_nothing_else() -> None:
     assert cancel is not None and cancel.path == "/v1/responses/{id}/cancel"
     assert table.find("GET", "/v1/responses/") is None
     assert table.find("GET", "/v1/responses/a/b") is None
-    assert table.find("DELETE", "/v1/responses/resp_abc") is None
+    deleted = table.find("DELETE", "/v1/responses/resp_abc")
+    assert deleted is not None and deleted.path == "/v1/responses/{id}"
+    items = table.find("GET", "/v1/responses/resp_abc/input_items")
+    assert items is not None and items.path == "/v1/responses/{id}/input_items"
+    assert table.find("PUT", "/v1/responses/resp_abc") is None
 
 
 def test_the_404_lists_what_is_served_and_405_names_the_allowed_methods() -> None:

@@ -130,8 +130,9 @@ def test_engine_environment_adds_the_profile_and_turns_off_usage_reports() -> No
     assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
 
 
-def test_the_engine_environment_carries_the_responses_store_switch_either_way() -> None:
+def test_the_engine_runs_with_its_own_responses_store_off_whatever_it_inherits() -> None:
+    # The gateway keeps the Responses API's state; vLLM's store would keep every answer in its memory, unevicted.
     profile = select_profile(load_profiles(), "cpu-dev")
     inherited = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
     assert engine_environment(profile, base=inherited)["VLLM_ENABLE_RESPONSES_API_STORE"] == "0"
-    assert engine_environment(profile, base={}, responses_store=True)["VLLM_ENABLE_RESPONSES_API_STORE"] == "1"
+    assert engine_environment(profile, base={})["VLLM_ENABLE_RESPONSES_API_STORE"] == "0"

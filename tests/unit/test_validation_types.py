@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(120)
 
 MODEL = "nemotron-test"
 INFO = ModelInfo(MODEL, 4096)
-SETTINGS = Settings(engine={"responses_store": True})
+SETTINGS = Settings()
 WRONG: tuple[Any, ...] = (None, True, 7, -1, 2.5, "text", "", [], {}, [1], ["text"], [{}], {"k": 1}, [None])
 _TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 _SAMPLING = {"n": 1, "best_of": 1, "seed": 1, "temperature": 0.5, "top_p": 0.5, "user": "u", "stop": ["x"]}
