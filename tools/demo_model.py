@@ -2,18 +2,26 @@
 For tests/engine, the load tool's CPU runs and the quickstart (`make run`, through `nemotron-gateway demo-model`).
 Needs the cpu/gpu extra (torch, tokenizers, safetensors). A development tool: not part of the gateway package.
 
-    python -m tools.demo_model DIR [--seed N] [--defect double-bos|no-template|needs-system]...
+    python -m tools.demo_model DIR [--seed N] [--defect double-bos|no-template|needs-system]... [--vocab-size N]
+    python -m tools.demo_model DIR --vocab-size N --tokenizer-only
 
 `defects` seeds chat-format faults that Nemotron templates in circulation have, for the doctor to find and a
 preset to fix: `double-bos` (the template writes BOS twice), `no-template`, `needs-system` (the template fails
 without a system message). The tokenizer also holds one added token whose text is a whole Nano-9B-v2 tool call
 (`TOOL_CALL_TEXT`), so a request can make the random model emit it (logit_bias) and the engine's tool parser is
 exercised for real.
+
+`--vocab-size N` grows the tokenizer to exactly N ids (`write_tokenizer`): the GPU runs serve a real architecture's
+config.json (vocab 131,072 or 256,000) with random weights, which emit ids across that whole vocabulary, and an id the
+tokenizer lacks decodes to nothing (a Responses stream of such ids has no text, so vLLM's client counts no tokens). The
+ids past the demo vocabulary are generated words; the special tokens keep their ids, the template and the tool-call
+token stay. `--tokenizer-only` writes just the tokenizer files (no config.json, no weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import random
@@ -25,7 +33,15 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-__all__ = ["CHAT_TEMPLATE", "DEFECTS", "TOOL_CALL_TEXT", "write_demo_model", "write_tiny_nemotron_h"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DEFECTS",
+    "SPECIAL_TOKENS",
+    "TOOL_CALL_TEXT",
+    "write_demo_model",
+    "write_tiny_nemotron_h",
+    "write_tokenizer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +151,51 @@ def _train_tokenizer(*, thinking: bool = False) -> Tokenizer:
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )
     return tokenizer
+
+
+# The words of the ids past the demo vocabulary: consonant-vowel syllables, so a random model's output reads as
+# pronounceable words (" bakomi tepu ..."), short enough that 256,000 of them keep tokenizer.json at 4.5 MB.
+_CONSONANTS = "bdfghjklmnprstvz"
+_VOWELS = "aeiou"
+_SPACE = "\u0120"  # "Ġ": the space in the byte-level alphabet, so each word decodes with the space before it
+
+
+def _words(count: int, taken: set[str]) -> list[str]:
+    """`count` distinct byte-level tokens (space, then one syllable or more), none of them in `taken`."""
+    syllables = [consonant + vowel for consonant in _CONSONANTS for vowel in _VOWELS]
+    words: list[str] = []
+    for length in itertools.count(1):
+        if len(words) >= count:
+            break
+        for parts in itertools.product(syllables, repeat=length):
+            word = _SPACE + "".join(parts)
+            if word not in taken:
+                words.append(word)
+                if len(words) == count:
+                    break
+    return words
+
+
+def _sized_tokenizer(vocab_size: int, *, thinking: bool = False) -> Tokenizer:
+    """The demo tokenizer with exactly `vocab_size` ids, every one of them decoding to text.
+
+    The trained vocabulary keeps its ids (the special tokens among them), generated words fill the ids after it, and
+    the added tokens (the tool call, the think markers) move to the last ids. The words have no merges: BPE with
+    `ignore_merges` takes a word found whole in the vocabulary as one token, so a decoded run of word ids encodes
+    back to the same ids (vLLM's random prompts keep their length) and any other text still encodes byte-level.
+    """
+    data = json.loads(_train_tokenizer(thinking=thinking).to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    added = [token for token in data["added_tokens"] if token["id"] >= len(vocab)]
+    least = len(vocab) + len(added)
+    if vocab_size < least:
+        raise ValueError(f"vocab size {vocab_size} is below the demo tokenizer's own {least} ids")
+    for word in _words(vocab_size - least, set(vocab)):
+        vocab[word] = len(vocab)
+    for offset, token in enumerate(added):
+        token["id"] = len(vocab) + offset
+    data["model"]["ignore_merges"] = True
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def _config(vocab_size: int, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -254,27 +315,66 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_demo_model(
-    directory: Path, *, seed: int = 0, defects: frozenset[str] = frozenset(), thinking: bool = False
-) -> Path:
-    """Write config, weights and tokenizer into `directory` (created if needed) and return it.
-
-    The same seed gives the same files; the tokenizer does not depend on the seed. `defects` (see DEFECTS) seeds
-    chat-template faults; `thinking` adds Nemotron 3's think markers and its template's think prompt.
-    """
-    unknown = defects - set(DEFECTS)
-    if unknown:
-        raise ValueError(f"unknown defects {sorted(unknown)}; choose from {', '.join(DEFECTS)}")
+def _write_tokenizer_files(
+    directory: Path,
+    *,
+    vocab_size: int | None,
+    defects: frozenset[str] = frozenset(),
+    thinking: bool = False,
+) -> Tokenizer:
+    """tokenizer.json, tokenizer_config.json and generation_config.json: the demo tokenizer, or it grown to
+    `vocab_size` ids."""
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(thinking=thinking)
-    vocab_size = tokenizer.get_vocab_size()
-    tokenizer.save(str(directory / "tokenizer.json"))
+    if vocab_size is None:
+        tokenizer = _train_tokenizer(thinking=thinking)
+        tokenizer.save(str(directory / "tokenizer.json"))
+    else:
+        tokenizer = _sized_tokenizer(vocab_size, thinking=thinking)
+        # Compact: indented, 256,000 entries take 6.6 MB instead of 4.5, and this file travels to the GPU machine.
+        tokenizer.save(str(directory / "tokenizer.json"), pretty=False)
     _write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer, defects, thinking=thinking))
-    _write_json(directory / "config.json", _config(vocab_size, tokenizer))
     _write_json(
         directory / "generation_config.json",
         {"bos_token_id": tokenizer.token_to_id(BOS), "eos_token_id": tokenizer.token_to_id(EOS)},
     )
+    return tokenizer
+
+
+def write_tokenizer(directory: Path, vocab_size: int, *, thinking: bool = False) -> Path:
+    """Write the demo tokenizer grown to exactly `vocab_size` ids into `directory` (created if needed); return it.
+
+    For a real architecture's config.json served with random weights (`--load-format dummy`): every id decodes to
+    text (the trained vocabulary's, or a generated word with a space before it), the special tokens keep the demo
+    tokenizer's ids, and the chat template and the tool-call token (now the last id) stay. No config.json, no weights.
+    The only ids that decode to no visible character are the trained vocabulary's few byte-level whitespace and
+    control-character tokens (space, newline, "\n\n", ...): any text, the template's own, needs them to encode.
+    """
+    _write_tokenizer_files(directory, vocab_size=vocab_size, thinking=thinking)
+    logger.info("wrote the demo tokenizer grown to %d ids to %s", vocab_size, directory)
+    return directory
+
+
+def write_demo_model(
+    directory: Path,
+    *,
+    seed: int = 0,
+    defects: frozenset[str] = frozenset(),
+    thinking: bool = False,
+    vocab_size: int | None = None,
+) -> Path:
+    """Write config, weights and tokenizer into `directory` (created if needed) and return it.
+
+    The same seed gives the same files; the tokenizer does not depend on the seed. `defects` (see DEFECTS) seeds
+    chat-template faults; `thinking` adds Nemotron 3's think markers and its template's think prompt. `vocab_size`
+    grows the tokenizer (and the embeddings) to that many ids, as `write_tokenizer` does; by default the vocabulary
+    is the demo tokenizer's own.
+    """
+    unknown = defects - set(DEFECTS)
+    if unknown:
+        raise ValueError(f"unknown defects {sorted(unknown)}; choose from {', '.join(DEFECTS)}")
+    tokenizer = _write_tokenizer_files(directory, vocab_size=vocab_size, defects=defects, thinking=thinking)
+    vocab_size = tokenizer.get_vocab_size()
+    _write_json(directory / "config.json", _config(vocab_size, tokenizer))
     weights = directory / "model.safetensors"
     save_file(_weights(vocab_size, seed), str(weights), metadata={"format": "pt"})
     weights.chmod(0o644)  # safetensors creates it 0600; the engine may run as another user
@@ -340,8 +440,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path, help="where to write the model (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default 0)")
     parser.add_argument("--defect", action="append", choices=DEFECTS, default=[], help="seed a chat-template fault")
+    parser.add_argument(
+        "--vocab-size", type=int, help="grow the tokenizer to exactly this many ids (a real config's vocab_size)"
+    )
+    parser.add_argument(
+        "--tokenizer-only", action="store_true", help="write only the tokenizer files (needs --vocab-size)"
+    )
     args = parser.parse_args(argv)
-    path = write_demo_model(args.directory, seed=args.seed, defects=frozenset(args.defect))
+    if args.tokenizer_only:
+        if args.vocab_size is None:
+            parser.error("--tokenizer-only needs --vocab-size")
+        if args.defect:
+            parser.error("--defect applies to a whole model, not --tokenizer-only")
+        path = write_tokenizer(args.directory, args.vocab_size)
+    else:
+        path = write_demo_model(
+            args.directory, seed=args.seed, defects=frozenset(args.defect), vocab_size=args.vocab_size
+        )
     sys.stdout.write(f"{path}\n")
     return 0
 
