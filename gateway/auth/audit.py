@@ -98,6 +98,22 @@ class KeyAudit:
         the trail's cap, the operator and the action; the script appends the entry itself (`auth.scripts`)."""
         return [self._max_entries, self.operator, action]
 
+    async def note(self, action: str, key: ApiKey, after: dict[str, Any]) -> None:
+        """Append an entry for a change that no key store script makes (what was deleted with a key: its stored
+        responses), `after` its fields."""
+        entry = {
+            "at": str(int(datetime.now(UTC).timestamp() * 1_000_000)),
+            "operator": self.operator,
+            "action": action,
+            "name": key.name,
+            "prefix": key.prefix,
+            "before": "{}",
+            "after": orjson.dumps(after).decode(),
+        }
+        await self._calls(
+            lambda: self._redis.xadd(AUDIT_STREAM, entry, maxlen=self._max_entries, approximate=True)  # type: ignore[arg-type]
+        )
+
     async def read(self, name: str | None = None, limit: int = 100) -> list[AuditEntry]:
         """The newest `limit` entries (of key `name`, when given), oldest first."""
         entries: list[AuditEntry] = []

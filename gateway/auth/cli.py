@@ -1,5 +1,6 @@
 """The `nemotron-gateway keys ...` verbs: create, list, show, revoke, rotate and set API keys in Redis; read their
-usage by day and API (`usage`) and the trail of changes to them (`audit`).
+usage by day and API (`usage`) and the trail of changes to them (`audit`). Deleting a key deletes the Responses API
+state it stored (`gateway.responses`); `show` and `usage` say how much it keeps.
 
 Talks to Redis directly with the server's settings. A new secret is printed alone on the last line of
 stdout (for scripts: `| tail -n1`) and nowhere else. Exit codes: 0 done, 1 failed, 2 bad usage.
@@ -25,6 +26,7 @@ from gateway.auth.keys import ApiKey, KeyExistsError, KeyLimits, KeyNotFoundErro
 from gateway.auth.store import KeyStore
 from gateway.errors import GatewayError, InvalidRequestError, KeyStoreUnavailableError
 from gateway.redis import close_redis, connect_redis
+from gateway.responses import ResponseStore
 from gateway.settings import Settings
 from gateway.usage import Usage, UsageReader
 
@@ -151,13 +153,12 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif verb == "list":
             await _list(store, reader, settings, as_json=args.json)
         elif verb == "show":
-            await _show(store, reader, settings, args.name, as_json=args.json)
+            await _show(store, reader, ResponseStore(redis, settings), settings, args.name, as_json=args.json)
         elif verb == "revoke":
             await store.revoke(args.name)
             _out(f"Revoked API key '{args.name}'; it stops working on every gateway within a second.")
         elif verb == "delete":
-            await store.delete(args.name)
-            _out(f"Deleted API key '{args.name}'; it stops working on every gateway within a second.")
+            await _delete(store, ResponseStore(redis, settings), args.name)
         elif verb == "rotate":
             secret = await store.rotate(args.name)
             _out(f"Rotated API key '{args.name}'; the old secret no longer works. New secret (shown once):")
@@ -165,7 +166,7 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif verb == "set":
             await _set(store, reader, args)
         elif verb == "usage":
-            await _usage(store, reader, args)
+            await _usage(store, reader, ResponseStore(redis, settings), args)
         elif verb == "audit":
             await _audit(store, args)
         else:
@@ -173,6 +174,18 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         await close_redis(redis)
     return 0
+
+
+async def _delete(store: KeyStore, responses: ResponseStore, name: str) -> None:
+    """Delete the key's record, then every response it stored (the audit trail names how many)."""
+    key = await store.get(name)
+    await store.delete(name)
+    deleted = await responses.delete_owner(key.key_id)
+    await store.audit.note("delete-responses", key, {"stored_responses_deleted": deleted})
+    _out(
+        f"Deleted API key '{name}' and its {deleted} stored response(s); it stops working on every gateway within "
+        "a second."
+    )
 
 
 async def _create(store: KeyStore, args: argparse.Namespace) -> None:
@@ -255,11 +268,15 @@ async def _list(store: KeyStore, reader: UsageReader, settings: Settings, *, as_
         _out("* server default (NEMOTRON_LIMITS__*)")
 
 
-async def _show(store: KeyStore, reader: UsageReader, settings: Settings, name: str, *, as_json: bool) -> None:
+async def _show(
+    store: KeyStore, reader: UsageReader, responses: ResponseStore, settings: Settings, name: str, *, as_json: bool
+) -> None:
     key = await store.get(name)
     row = _describe(key, (await reader.usage([key.name]))[key.name], settings)
     budget = await reader.budget_usage(key.name)
     row["budget_used"] = {"day": budget.day, "month": budget.month}
+    stored = await responses.usage(key.key_id)
+    row["stored_responses"] = {"responses": stored.responses, "bytes": stored.bytes}
     if as_json:
         _out(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode())
         return
@@ -278,6 +295,7 @@ async def _show(store: KeyStore, reader: UsageReader, settings: Settings, name: 
         ("priority", str(row["priority"])),
         ("requests today", str(row["usage_today"]["requests"])),
         ("tokens today", str(row["usage_today"]["tokens"])),
+        ("stored", f"{stored.responses} responses, {stored.bytes} bytes"),
         ("last used", row["last_used"] or "never"),
     ):
         _out(f"{label + ':':<17}{value}")
@@ -298,8 +316,9 @@ async def _check_budgets_above_use(reader: UsageReader, args: argparse.Namespace
             )
 
 
-async def _usage(store: KeyStore, reader: UsageReader, args: argparse.Namespace) -> None:
-    names = [(await store.get(args.name)).name] if args.name else [key.name for key in await store.list()]
+async def _usage(store: KeyStore, reader: UsageReader, responses: ResponseStore, args: argparse.Namespace) -> None:
+    keys = [await store.get(args.name)] if args.name else await store.list()
+    names = [key.name for key in keys]
     today = datetime.now(UTC).date()
     since: date = args.since or today - timedelta(days=30)
     if since > today:
@@ -322,6 +341,10 @@ async def _usage(store: KeyStore, reader: UsageReader, args: argparse.Namespace)
     _table([[column.upper() for column in header], *([str(row[column]) for column in header] for row in rows)])
     if not rows:
         _out(f"no usage since {since.isoformat()} (UTC)")
+    for key in keys:
+        stored = await responses.usage(key.key_id)
+        if stored.responses:
+            _out(f"{key.name} keeps {stored.responses} stored responses ({stored.bytes} bytes)")
 
 
 async def _audit(store: KeyStore, args: argparse.Namespace) -> None:

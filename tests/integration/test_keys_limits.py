@@ -27,7 +27,10 @@ import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.auth import INVALID_KEY_MESSAGE
+from gateway.auth import INVALID_KEY_MESSAGE, KeyStore
+from gateway.redis import close_redis, connect_redis
+from gateway.responses import ResponseStore
+from gateway.settings import Settings
 from tests.procs import (
     REPO_ROOT,
     FakeEngineControl,
@@ -846,3 +849,42 @@ def test_keys_cli_sets_a_priority_and_refuses_a_negative_one(redis_clean: str) -
     assert reset.returncode == 0, reset.stderr
     (batch, plain) = keys_cli(redis_clean, ["show", "cli-batch", "--json"], ["show", "cli-plain", "--json"])
     assert (orjson.loads(batch.stdout)["priority"], orjson.loads(plain.stdout)["priority"]) == (0, 2)
+
+
+# --- a key's stored Responses API state ---
+
+
+def test_deleting_a_key_deletes_its_stored_responses_and_show_usage_and_audit_name_them(redis_clean: str) -> None:
+    secrets = create_keys(redis_clean, {"keeper": [], "neighbour": []})
+    settings = Settings(redis_url=redis_clean)
+
+    async def seed() -> None:
+        client = connect_redis(settings)
+        try:
+            store, keys = ResponseStore(client, settings), KeyStore(client, settings)
+            for name, count in (("keeper", 2), ("neighbour", 1)):
+                owner = (await keys.get(name)).key_id
+                for turn in range(count):
+                    response = {"id": f"resp_{name}{turn}", "object": "response", "status": "completed", "output": []}
+                    assert await store.save(owner, response, [{"role": "user", "content": "Hi"}])
+        finally:
+            await close_redis(client)
+
+    asyncio.run(seed())
+    shown, usage = keys_cli(redis_clean, ["show", "keeper", "--json"], ["usage", "keeper"])
+    assert orjson.loads(shown.stdout)["stored_responses"]["responses"] == 2
+    assert "keeper keeps 2 stored responses" in usage.stdout
+    (deleted,) = keys_cli(redis_clean, ["delete", "keeper"])
+    assert deleted.returncode == 0 and "its 2 stored response(s)" in deleted.stdout, deleted.stderr
+    client = redis.Redis.from_url(redis_clean)
+    try:
+        left = sorted(name.decode() for name in client.scan_iter("nemotron:resp:*"))
+        assert left == ["nemotron:resp:resp_neighbour0"]  # only the other key's
+        stored = b"".join(b"".join(client.hvals(name)) for name in client.scan_iter("nemotron:resp:*"))
+        assert secrets["neighbour"].encode() not in stored
+    finally:
+        client.close()
+    (audit,) = keys_cli(redis_clean, ["audit", "keeper", "--json"])
+    entries = orjson.loads(audit.stdout)
+    assert [e["action"] for e in entries][-2:] == ["delete", "delete-responses"]
+    assert entries[-1]["after"] == {"stored_responses_deleted": 2}
