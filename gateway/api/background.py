@@ -264,6 +264,7 @@ class BackgroundRuns:
         except GatewayError as error:
             return failed(response, error.message)
         await answer({"type": "http"}, receive, log.send)
+        _count_tokens(services, record)
         if isinstance(answer, BufferedAnswer) and answer.status != 200:
             return failed(response, _error_message(answer.body))
         if record.response is not None:
@@ -328,6 +329,21 @@ class _Control:
         self.stop = asyncio.Event()
         self.cancelled = False
         self.lost = False
+
+
+def _count_tokens(services: Services, record: RequestRecord) -> None:
+    """Count a run's tokens as the middleware counts a request's: no middleware sees a run, and the request that
+    created it was counted with none (it answered before anything was generated). Its request is not counted
+    again."""
+    prompt, completion, reasoning = record.prompt_tokens, record.completion_tokens, record.reasoning_tokens
+    metrics = services.metrics
+    if prompt is not None and completion is not None:
+        metrics.tokens.labels("prompt").inc(prompt)
+        metrics.tokens.labels("completion").inc(completion)
+        metrics.api_tokens.labels("responses", "prompt").inc(prompt)
+        metrics.api_tokens.labels("responses", "completion").inc(completion)
+    if reasoning is not None:
+        metrics.api_tokens.labels("responses", "reasoning").inc(reasoning)
 
 
 def _error_message(body: bytes) -> str:

@@ -37,8 +37,9 @@ _CLAIM = "nemotron:resp-claim:"
 _TOTAL = "__total"
 
 # Forget the owner's entries whose time is over (their records expired on their own), then write the record, index
-# it, and evict the owner's oldest until its bounds hold; the record just written is never evicted for another,
-# only alone when it is over the byte bound by itself. Returns {kept (1/0), evicted}.
+# it, and evict the owner's oldest until its bounds hold; the record just written is never evicted for another. One
+# over the byte bound by itself is not kept (an earlier version of it dropped) and evicts nothing: the owner's other
+# responses would all go for it in vain. Returns {kept (1/0), evicted}.
 _SAVE = """
 local index, sizes = KEYS[1], KEYS[2]
 local id, owner, now, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -58,6 +59,10 @@ if redis.call('EXISTS', record) == 1 and redis.call('HGET', record, 'owner') ~= 
   return {0, 0}
 end
 forget(id)
+if size > max_bytes then
+  redis.call('DEL', record, events_prefix .. id)
+  return {0, 0}
+end
 local fields = {'owner', owner, 'size', size}
 for i = 10, #ARGV, 2 do
   fields[#fields + 1] = ARGV[i]
@@ -77,12 +82,7 @@ while true do
   local oldest = redis.call('ZRANGE', index, 0, 1)
   local victim = oldest[1]
   if victim == id then victim = oldest[2] end
-  if victim == nil then
-    forget(id)
-    redis.call('DEL', record, events_prefix .. id)
-    redis.call('EXPIRE', index, ttl)
-    return {0, evicted}
-  end
+  if victim == nil then break end
   forget(victim)
   redis.call('DEL', record_prefix .. victim, events_prefix .. victim)
   evicted = evicted + 1
