@@ -1,8 +1,8 @@
 """A fake `vllm serve`: vLLM's OpenAI-compatible HTTP API with per-request faults and a request log.
 
-Speaks chat and text completions, the Responses API (its `event:` stream; a response store, on with
-VLLM_ENABLE_RESPONSES_API_STORE=1 as in vLLM) and Anthropic's Messages API (`message_start` ... `message_stop`),
-in vLLM's shapes.
+Speaks chat and text completions, the Responses API (its `event:` stream; without a response store, as the
+gateway runs vLLM: a `previous_response_id` is unknown, a `background` request refused) and Anthropic's Messages API
+(`message_start` ... `message_stop`), in vLLM's shapes.
 
 Pure ASGI under uvicorn, so it owns `receive()` and can see a client leave at any point.
 Run it as `python -m tests.fakes.fake_engine --port P`; it imports nothing from `gateway`.
@@ -245,6 +245,9 @@ class Completion:
     eos_after: int | None = None
     # What vLLM repeats of a Responses API request in its response objects (`metadata`, `tools`).
     echo: dict[str, Any] = field(default_factory=dict)
+    # A Responses answer that calls a tool (`fake_function_call`: its `name` and `arguments`): its output is that
+    # function_call item instead of a message (a stream's deltas stay text: only the response objects carry it).
+    function_call: dict[str, Any] | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -319,8 +322,13 @@ class Completion:
     def responses_object(self, status: str, output_tokens: int | None) -> dict[str, Any]:
         """A Responses API `response` object (in_progress: no output, no usage)."""
         text = " ".join(f"tok{i}" for i in range(output_tokens or 0))
-        output = []
-        if output_tokens is not None:
+        output: list[dict[str, Any]] = []
+        if output_tokens is not None and self.function_call is not None:
+            call = {"name": str(self.function_call.get("name")), "arguments": str(self.function_call.get("arguments"))}
+            output.append(
+                {"type": "function_call", "id": f"fc_{self.id}", "call_id": f"call_{self.id}", **call, "status": status}
+            )
+        elif output_tokens is not None:
             content = [{"type": "output_text", "text": text, "annotations": []}]
             output.append(
                 {"type": "message", "id": f"msg_{self.id}", "role": "assistant", "status": status, "content": content}
@@ -411,7 +419,6 @@ class FakeEngine:
         api_key: str | None = None,
         scheduling_policy: str = "fcfs",
         max_num_seqs: int | None = None,
-        responses_store: bool = False,
     ) -> None:
         self.model = model
         # As vLLM 0.26 under FCFS: a non-zero `priority` is refused (400), under "priority" it is taken.
@@ -438,11 +445,6 @@ class FakeEngine:
         self.unfrozen = asyncio.Event()
         self.unfrozen.set()
         self.api_frozen = False
-        # The Responses API store (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): off, `store` is ignored.
-        self.responses_store = responses_store
-        self.stored: dict[str, dict[str, Any]] = {}
-        # What `GET /v1/responses/{id}?stream=true` replays: the answer's events, at its request's token delay.
-        self.replays: dict[str, tuple[Completion, float]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -476,8 +478,6 @@ class FakeEngine:
         elif method == "POST" and path == "/v1/messages/count_tokens":
             request = json.loads(body)
             await exchange.send_json(200, {"input_tokens": count_prompt_tokens(path, request)})
-        elif path.startswith("/v1/responses/"):
-            await self._stored(method, path, scope.get("query_string", b""), exchange)
         elif method == "GET" and path == "/health":
             await self._health(exchange)
         elif method == "GET" and path == "/metrics":
@@ -488,25 +488,6 @@ class FakeEngine:
             await self._control(method, path, exchange, body)
         else:
             await exchange.send_json(404, error_body(404, f"Not Found: {method} {path}"))
-
-    async def _stored(self, method: str, path: str, query: bytes, exchange: Exchange) -> None:
-        """GET /v1/responses/{id} (its events again with `?stream=true`) and POST .../cancel, as vLLM answers them."""
-        response_id = path.split("/")[3]
-        stored = self.stored.get(response_id)
-        if stored is None:
-            await exchange.send_json(404, error_body(404, f"Response with id '{response_id}' not found."))
-        elif method == "POST" and path.endswith("/cancel"):
-            await exchange.send_json(400, error_body(400, "Cannot cancel a synchronous response."))
-        elif b"stream=true" in query:
-            completion, token_delay = self.replays[response_id]
-            await exchange.start(200, SSE_CONTENT_TYPE)
-            for kind, event in completion.events():
-                if await exchange.pause(token_delay if kind == "token" else 0.0):
-                    return
-                await exchange.send_body(event, more=True)
-            await exchange.send_body(b"")
-        else:
-            await exchange.send_json(200, stored)
 
     def _authorized(self, scope: Scope) -> bool:
         return any(name == b"authorization" and value == self.authorization for name, value in scope["headers"])
@@ -720,6 +701,7 @@ class FakeEngine:
             include_usage=bool((body.get("stream_options") or {}).get("include_usage", False)),
             eos_after=None if eos_after is None else int(eos_after),
             echo={name: body[name] for name in ("metadata", "tools") if name in body},
+            function_call=body.get("fake_function_call") if isinstance(body.get("fake_function_call"), dict) else None,
         )
         if record.stream:
             await self._stream(exchange, record, completion, faults)
@@ -735,6 +717,11 @@ class FakeEngine:
         priority = int(headers.get("x-vllm-priority") or (0 if path == "/v1/messages" else body.get("priority", 0)))
         if priority != 0 and self.scheduling_policy != "priority":
             return 400, f"Got priority {priority} but Priority scheduling is not enabled."
+        if path.endswith("/responses") and body.get("previous_response_id"):
+            # vLLM without its store knows no earlier response.
+            return 404, f"Response with id '{body['previous_response_id']}' not found."
+        if path.endswith("/responses") and body.get("background"):
+            return 400, "This vLLM engine does not support `store=True` and therefore does not support background mode."
         if path.endswith("/chat/completions") and not isinstance(body.get("messages"), list):
             return 400, "messages: Field required"
         # As vLLM 0.32: a prompt longer than the context, or a completion length above it, is refused; a completion
@@ -759,7 +746,6 @@ class FakeEngine:
         else:
             record.tokens_sent = completion.n_tokens
             self.generated_tokens += completion.n_tokens
-            self._store(completion, record)
             await self._finish_json(exchange, record, 200, completion.response())
 
     async def _stream(self, exchange: Exchange, record: RequestRecord, completion: Completion, faults: Faults) -> None:
@@ -784,18 +770,9 @@ class FakeEngine:
                     record.tokens_sent += 1
                     self.generated_tokens += 1
             await exchange.send_body(b"")
-            self._store(completion, record)
             self._mark_completed(record)
         finally:
             self.stats.active_streams -= 1
-
-    def _store(self, completion: Completion, record: RequestRecord) -> None:
-        """Keep a finished Responses API answer, as vLLM does with its store on and `store` not false."""
-        if completion.api == "responses" and self.responses_store and isinstance(record.body, dict):
-            if record.body.get("store", True):
-                answer = completion.response()
-                self.stored[answer["id"]] = answer
-                self.replays[answer["id"]] = (completion, Faults.from_body(record.body).token_delay)
 
     async def _finish_json(self, exchange: Exchange, record: RequestRecord, status: int, obj: Any) -> None:
         record.status = status
@@ -849,7 +826,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="a short-lived spawned helper creates a multiprocessing semaphore (vLLM's sem.mp-*) and exits "
         "without unlinking it, leaving only the resource tracker knowing its name; its path is written to PATH",
     )
-    parser.add_argument("--responses-store", action="store_true", help="as VLLM_ENABLE_RESPONSES_API_STORE=1")
     parser.add_argument("--log-level", default="warning")
     if argv[:1] != ["serve"]:
         return parser.parse_args(argv)
@@ -907,8 +883,6 @@ def main(argv: list[str] | None = None) -> None:
         api_key=os.environ.get("VLLM_API_KEY"),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         max_num_seqs=getattr(args, "max_num_seqs", None),
-        # As vLLM reads it (vllm/envs.py).
-        responses_store=args.responses_store or os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") == "1",
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, interface="asgi3", log_level=args.log_level, access_log=False

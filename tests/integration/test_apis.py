@@ -1,12 +1,14 @@
 """The Responses API and Anthropic's Messages API through real gateway processes, real Redis and the fake engine:
 event framing kept, usage counted, heartbeats, a dying or frozen engine ending the stream with the event each SDK
-raises on, Anthropic's error envelope, bounds, the stored-response switch and ownership, the access log's API.
-Gateway `on` has the response store on; `off` has it off and the nemotron-nano-9b-v2 preset (a `/think` line).
+raises on, Anthropic's error envelope, bounds, stored responses (`store: false`, ownership, what reading them costs
+the key), the access log's API. Gateway `on` has the default settings; `off` the nemotron-nano-9b-v2 preset (a
+`/think` line). The stored state itself is tested in test_stored_responses.py.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -39,30 +41,36 @@ HI = [{"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture(scope="module")
-def store_engine() -> Iterator[FakeEngineControl]:
-    with run_fake_engine(responses_store=True) as process:
+def apis_engine() -> Iterator[FakeEngineControl]:
+    with run_fake_engine() as process:
         yield FakeEngineControl(process)
 
 
 @pytest.fixture(scope="module")
-def gateways(store_engine: FakeEngineControl, redis_url: str) -> Iterator[dict[str, ServerProcess]]:
+def gateways(apis_engine: FakeEngineControl, redis_url: str) -> Iterator[dict[str, ServerProcess]]:
     on = dict(BASE_ENV)
     off = {**BASE_ENV, "NEMOTRON_ENGINE__PRESET": "nemotron-nano-9b-v2"}
     with (
-        run_gateway(store_engine.base_url, redis_url, env=on) as on_proc,
-        run_gateway(store_engine.base_url, redis_url, env=off) as off_proc,
+        run_gateway(apis_engine.base_url, redis_url, env=on) as on_proc,
+        run_gateway(apis_engine.base_url, redis_url, env=off) as off_proc,
     ):
         yield {"on": on_proc, "off": off_proc}
 
 
 @pytest.fixture
-def urls(gateways: dict[str, ServerProcess], store_engine: FakeEngineControl) -> dict[str, str]:
-    store_engine.reset()
+def urls(gateways: dict[str, ServerProcess], apis_engine: FakeEngineControl) -> dict[str, str]:
+    apis_engine.reset()
     return {name: f"http://127.0.0.1:{proc.port}" for name, proc in gateways.items()}
 
 
 def keys_cli(redis_url: str, verb: str, *args: str) -> str:
     """`keys <verb> <args>`: its last output line (a new key's secret for create and rotate)."""
+    out = keys_output(redis_url, verb, *args)
+    return out.splitlines()[-1] if out else ""
+
+
+def keys_output(redis_url: str, verb: str, *args: str) -> str:
+    """`keys <verb> <args>`: all it printed."""
     argv = [sys.executable, "-m", "gateway", "keys", verb, *args, "--redis-url", redis_url]
     done = subprocess.run(
         argv,
@@ -73,7 +81,7 @@ def keys_cli(redis_url: str, verb: str, *args: str) -> str:
         timeout=60,
         check=True,
     )
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    return done.stdout.strip()
 
 
 def new_key(redis_url: str, *flags: str, name: str | None = None) -> str:
@@ -143,7 +151,7 @@ def test_a_responses_stream_keeps_its_event_framing_and_its_usage_is_counted(url
 
 
 def test_a_messages_stream_with_a_silent_engine_gets_heartbeats_and_its_usage_counted(
-    urls: dict[str, str], key: str, store_engine: FakeEngineControl
+    urls: dict[str, str], key: str, apis_engine: FakeEngineControl
 ) -> None:
     url = urls["on"]
     before = metric(url, "nemotron_gateway_api_tokens_total", 'api="messages",kind="completion"')
@@ -159,7 +167,7 @@ def test_a_messages_stream_with_a_silent_engine_gets_heartbeats_and_its_usage_co
     after = metric(url, "nemotron_gateway_api_tokens_total", 'api="messages",kind="completion"')
     assert after - before == 8
     # The Anthropic SDK's headers reach the engine; the client's key does not.
-    sent = [r for r in store_engine.requests() if r["path"] == "/v1/messages"][-1]["headers"]
+    sent = [r for r in apis_engine.requests() if r["path"] == "/v1/messages"][-1]["headers"]
     assert sent["anthropic-version"] and "x-api-key" not in sent and key not in str(sent)
 
 
@@ -218,7 +226,7 @@ def test_a_frozen_engine_ends_responses_and_messages_streams_with_a_timeout_even
 
 
 def test_a_client_leaving_a_responses_stream_closes_the_engine_request(
-    urls: dict[str, str], key: str, store_engine: FakeEngineControl
+    urls: dict[str, str], key: str, apis_engine: FakeEngineControl
 ) -> None:
     body = {"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 200, "fake_token_delay": 0.05}
     with httpx.stream(
@@ -227,8 +235,8 @@ def test_a_client_leaving_a_responses_stream_closes_the_engine_request(
         for index, _ in enumerate(response.iter_lines()):
             if index == 6:
                 break
-    wait_until(lambda: store_engine.requests()[-1]["disconnected"], timeout=10, message="engine request still open")
-    assert store_engine.requests()[-1]["tokens_sent"] < 200
+    wait_until(lambda: apis_engine.requests()[-1]["disconnected"], timeout=10, message="engine request still open")
+    assert apis_engine.requests()[-1]["tokens_sent"] < 200
 
 
 # --- errors in each API's envelope ---
@@ -309,40 +317,42 @@ def test_openai_sdk_resources_not_served_are_a_clear_404(urls: dict[str, str], k
 
 
 def test_instructions_carry_the_default_system_message_and_the_reasoning_switch(
-    urls: dict[str, str], key: str, store_engine: FakeEngineControl
+    urls: dict[str, str], key: str, apis_engine: FakeEngineControl
 ) -> None:
     with oai(urls["off"], key) as sdk:
         sdk.responses.create(model=MODEL, input="Hi", reasoning={"effort": "none"}, max_output_tokens=2)
-        sent = store_engine.requests()[-1]["body"]
+        sent = apis_engine.requests()[-1]["body"]
         assert sent["instructions"] == f"{DEFAULT_SYSTEM_MESSAGE}\n/no_think"
         assert sent["chat_template_kwargs"] == {"enable_thinking": False}
         sdk.responses.create(
             model=MODEL, input="Hi", instructions="Be brief.", reasoning={"effort": "high"}, max_output_tokens=2
         )
-        sent = store_engine.requests()[-1]["body"]
+        sent = apis_engine.requests()[-1]["body"]
         assert sent["instructions"] == "Be brief.\n/think" and sent["chat_template_kwargs"] == {"enable_thinking": True}
 
 
 # --- stored responses ---
 
 
-def test_with_the_store_off_requests_needing_it_are_refused_clearly(urls: dict[str, str], key: str) -> None:
-    with oai(urls["off"], key) as sdk:
-        for extra in ({"previous_response_id": "resp_1"}, {"background": True}):
-            with pytest.raises(openai.BadRequestError, match="Stored responses are off") as refused:
-                sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **extra)  # type: ignore[arg-type]
-            assert refused.value.body["param"] == next(iter(extra))  # type: ignore[index]
-        with pytest.raises(openai.NotFoundError, match="Stored responses are off"):
-            sdk.responses.retrieve("resp_1")
-        with pytest.raises(openai.NotFoundError, match="Stored responses are off"):
-            sdk.responses.cancel("resp_1")
+def test_a_response_with_store_false_is_not_kept_and_background_needs_the_store(urls: dict[str, str], key: str) -> None:
+    with oai(urls["on"], key) as sdk:
+        unkept = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+        assert unkept.store is False and unkept.output_text == "tok0 tok1"
+        with pytest.raises(openai.NotFoundError, match="No response found"):
+            sdk.responses.retrieve(unkept.id)
+        with pytest.raises(openai.NotFoundError) as continued:
+            sdk.responses.create(model=MODEL, input="Go on", previous_response_id=unkept.id, max_output_tokens=2)
+        assert continued.value.body["param"] == "previous_response_id"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError, match="background") as refused:
+            sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2, background=True, store=False)
+        assert refused.value.body["param"] == "store"  # type: ignore[index]
 
 
 def test_a_stored_response_belongs_to_the_key_that_created_it(urls: dict[str, str], key: str, redis_url: str) -> None:
     other = new_key(redis_url)
     with oai(urls["on"], key) as sdk:
         made = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
-        assert sdk.responses.retrieve(made.id).id == made.id
+        assert made.store is True and sdk.responses.retrieve(made.id).id == made.id
         streamed = list(sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2, stream=True))[-1]
         assert sdk.responses.retrieve(streamed.response.id).id == streamed.response.id  # type: ignore[union-attr]
         sdk.responses.create(model=MODEL, input="Go on", previous_response_id=made.id, max_output_tokens=2)
@@ -355,10 +365,12 @@ def test_a_stored_response_belongs_to_the_key_that_created_it(urls: dict[str, st
             sdk.responses.create(model=MODEL, input="Go on", previous_response_id=made.id, max_output_tokens=2)
     client = redis.Redis.from_url(redis_url)
     try:
-        owner_key = f"nemotron:response:{made.id}"
-        owner = client.get(owner_key)
-        assert owner is not None and owner.decode().startswith("apis-") and key not in owner.decode()
-        assert 0 < client.ttl(owner_key) <= 86400
+        record = f"nemotron:resp:{made.id}"
+        # The key's record id (`name@created_at`): kept by a rotation, never its secret.
+        owner = client.hget(record, "owner")
+        assert owner is not None and re.fullmatch(r"apis-[0-9a-f]{8}@\d{4}-\d\d-\d\dT[0-9:.+]+", owner.decode())
+        assert key not in str(client.hgetall(record))
+        assert 0 < client.ttl(record) <= 30 * 86400
     finally:
         client.close()
 
@@ -435,10 +447,11 @@ def test_planted_metadata_neither_ends_a_streams_accounting_nor_frees_its_slot(
 def test_reading_or_cancelling_a_stored_response_counts_against_the_keys_limits(
     urls: dict[str, str], redis_url: str
 ) -> None:
-    url, key = urls["on"], new_key(redis_url, "--rpm", "4", "--max-concurrency", "1")
+    url, key = urls["on"], new_key(redis_url, "--rpm", "4", "--max-concurrency", "2")
+    # A background run holds one of the key's two slots while it is made (a token every 0.2 s for 4 s).
     made = httpx.post(
         f"{url}/v1/responses",
-        json={"model": MODEL, "input": "Hi", "max_output_tokens": 6, "fake_token_delay": 0.2},
+        json={"model": MODEL, "input": "Hi", "background": True, "max_output_tokens": 20, "fake_token_delay": 0.2},
         headers=bearer(key),
         timeout=20,
     ).json()
@@ -447,7 +460,7 @@ def test_reading_or_cancelling_a_stored_response_counts_against_the_keys_limits(
         assert replay.headers["x-ratelimit-remaining-requests"] == "2"
         lines = replay.iter_lines()
         assert next(lines) == "event: response.created"
-        # A streamed replay holds the key's one slot until it ends.
+        # A followed stream holds the other slot until it ends.
         busy = httpx.get(path, headers=bearer(key), timeout=20)
         assert busy.status_code == 429 and "too many requests in flight" in busy.json()["error"]["message"]
         assert "event: response.completed" in list(lines)
@@ -457,6 +470,13 @@ def test_reading_or_cancelling_a_stored_response_counts_against_the_keys_limits(
     assert read.status_code == 200 and read.headers["x-ratelimit-remaining-requests"] == "0"
     over = httpx.get(path, headers=bearer(key), timeout=20)
     assert over.status_code == 429 and "requests per" in over.json()["error"]["message"]
+
+
+def test_a_response_made_without_background_is_not_streamed_again(urls: dict[str, str], key: str) -> None:
+    with oai(urls["on"], key) as sdk:
+        made = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    answer = httpx.get(f"{urls['on']}/v1/responses/{made.id}?stream=true", headers=bearer(key), timeout=20)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream", answer.text
 
 
 def test_a_key_created_again_under_a_deleted_keys_name_cannot_read_its_responses(
@@ -476,7 +496,7 @@ def test_a_key_created_again_under_a_deleted_keys_name_cannot_read_its_responses
 
 
 @pytest.fixture(scope="module")
-def queue_bound(store_engine: FakeEngineControl, redis_url: str) -> Iterator[str]:
+def queue_bound(apis_engine: FakeEngineControl, redis_url: str) -> Iterator[str]:
     # Two places in the engine's queue, and a scrape of its gauges at start only: what the gateways admit meanwhile
     # counts as waiting until the next scrape.
     env = {
@@ -485,7 +505,7 @@ def queue_bound(store_engine: FakeEngineControl, redis_url: str) -> Iterator[str
         "NEMOTRON_ADMISSION__MAX_WAITING": "2",
         "NEMOTRON_ADMISSION__ENGINE_ID": uuid.uuid4().hex,
     }
-    with run_gateway(store_engine.base_url, redis_url, env=env) as proc:
+    with run_gateway(apis_engine.base_url, redis_url, env=env) as proc:
         url = f"http://127.0.0.1:{proc.port}"
         wait_until(lambda: 'figure="waiting"' in httpx.get(f"{url}/metrics", timeout=5).text, timeout=10)
         yield url
