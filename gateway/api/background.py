@@ -117,6 +117,7 @@ class BackgroundRuns:
         self._store = services.responses
         self._holder = f"{os.uname().nodename}:{os.getpid()}:{os.urandom(4).hex()}"
         self._runs: dict[str, asyncio.Task[None]] = {}
+        self._controls: dict[str, _Control] = {}
         self._stopping = False
         self._sweep = BackgroundTask(
             "responses:background-sweep",
@@ -152,8 +153,7 @@ class BackgroundRuns:
         """Store a background response as queued with its job, start its run here, and answer: the queued object,
         or for `stream: true` its events as they are made. The key's lease (admitted) is the run's."""
         response_id = record.response_id = new_response_id()
-        now_ms = int(time.time() * 1000)
-        response = queued_response(response_id, turn, prepared, now_ms // 1000)
+        response = queued_response(response_id, turn, prepared)
         job = {
             "body": orjson.loads(prepared.body),
             "priority": priority,
@@ -162,13 +162,15 @@ class BackgroundRuns:
             "tokens": prepared.tokens_estimate,
         }
         try:
-            await turn.save(response, job)
-            await self._store.enqueue(response_id, now_ms)
-            claimed = await self._store.claim(response_id, self._holder, CLAIM_TTL_MS)
+            await turn.save(response, job)  # with its job, in one step: never a response that nothing would run
         except BaseException:
             if lease is not None:
                 await lease.release(0, served=False)
             raise
+        try:
+            claimed = await self._store.claim(response_id, self._holder, CLAIM_TTL_MS)
+        except KeyStoreUnavailableError:
+            claimed = False  # stored and among the jobs: a sweep runs it once Redis answers
         if claimed:
             self._start(response_id, turn, job, lease)
         elif lease is not None:
@@ -177,13 +179,21 @@ class BackgroundRuns:
             return replay(self._store, response_id, turn.owner, -1)
         return BufferedAnswer(200, orjson.dumps(response), "application/json", lease.headers if lease else {})
 
+    def cancel(self, response_id: str) -> None:
+        """Stop this gateway's run of `response_id` now, if it has one (another gateway's sees the cancel mark at its
+        next renewal)."""
+        control = self._controls.get(response_id)
+        if control is not None:
+            control.cancelled = True
+            control.stop.set()
+
     def _start(self, response_id: str, turn: Turn, job: dict[str, Any], lease: RequestLease | None) -> None:
         run = asyncio.create_task(self._run(response_id, turn, job, lease), name=f"background:{response_id}")
         self._runs[response_id] = run
         run.add_done_callback(lambda _: self._runs.pop(response_id, None))
 
     async def _run(self, response_id: str, turn: Turn, job: dict[str, Any], lease: RequestLease | None) -> None:
-        control = _Control()
+        control = self._controls[response_id] = _Control()
         renewing = asyncio.create_task(self._renew(response_id, control))
         finished = False
         try:
@@ -210,6 +220,7 @@ class BackgroundRuns:
         except GatewayError as exc:
             logger.warning("background response %s: %s", response_id, exc.message)
         finally:
+            self._controls.pop(response_id, None)
             renewing.cancel()
             with contextlib.suppress(BaseException):
                 await renewing

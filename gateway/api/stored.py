@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 
-from gateway.api.context import get_record, get_services, require_api_key
+from gateway.api.context import get_background, get_record, get_services, require_api_key
 from gateway.api.conversation import checked_id, not_found, owner_of
 from gateway.errors import InvalidRequestError
 from gateway.ratelimit import RequestLease
@@ -127,6 +127,7 @@ async def cancel(request: Request) -> ASGIApp:
         raise InvalidRequestError("Only a background response can be cancelled.", param="response_id")
     if response.get("status") in _UNFINISHED:
         await store.request_cancel(response["id"])
+        get_background(request).cancel(response["id"])
         response = {**response, "status": "cancelled"}
         await store.save(owner, response, stored.input_items, previous_response_id=stored.previous_response_id)
     return await _answer(response, lease, request)

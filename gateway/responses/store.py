@@ -37,9 +37,10 @@ _CLAIM = "nemotron:resp-claim:"
 _TOTAL = "__total"
 
 # Forget the owner's entries whose time is over (their records expired on their own), then write the record, index
-# it, and evict the owner's oldest until its bounds hold; the record just written is never evicted for another. One
-# over the byte bound by itself is not kept (an earlier version of it dropped) and evicts nothing: the owner's other
-# responses would all go for it in vain. Returns {kept (1/0), evicted}.
+# it (a background response with a job: among the jobs too, KEYS[3]), and evict the owner's oldest until its bounds
+# hold; the record just written is never evicted for another. One over the byte bound by itself is not kept (an
+# earlier version of it dropped) and evicts nothing: the owner's other responses would all go for it in vain.
+# Returns {kept (1/0), evicted}.
 _SAVE = """
 local index, sizes = KEYS[1], KEYS[2]
 local id, owner, now, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -74,6 +75,7 @@ redis.call('EXPIRE', record, ttl)
 redis.call('ZADD', index, tonumber(redis.call('HGET', record, 'created')), id)
 redis.call('HSET', sizes, id, size)
 redis.call('HINCRBY', sizes, '__total', size)
+if KEYS[3] then redis.call('ZADD', KEYS[3], now, id) end
 local evicted = 0
 while true do
   local total = tonumber(redis.call('HGET', sizes, '__total') or '0')
@@ -244,9 +246,9 @@ class ResponseStore:
         now_ms: int | None = None,
     ) -> bool:
         """Store (or update) `response` of `owner`, with its own `input_items`, the id it continued and, for a
-        background response not finished yet, its `job` (None clears it). False when it is not kept: larger than
-        the owner's byte bound by itself, or the id is another owner's. Evicts the owner's oldest beyond its
-        bounds."""
+        background response not finished yet, its `job` (None clears it; given, the response is among the jobs).
+        False when it is not kept: larger than the owner's byte bound by itself, or the id is another owner's.
+        Evicts the owner's oldest beyond its bounds."""
         response_id = str(response["id"])
         body, items = orjson.dumps(response), orjson.dumps(input_items)
         state = orjson.dumps(job) if job is not None else b""
@@ -270,7 +272,7 @@ class ResponseStore:
             "job",
             state,
         ]
-        keys = [_INDEX.format(owner), _SIZES.format(owner)]
+        keys = [_INDEX.format(owner), _SIZES.format(owner), *([JOBS] if job is not None else [])]
         kept, _evicted = await self._calls(lambda: self._save(keys=keys, args=args))
         return bool(kept)
 
@@ -334,10 +336,6 @@ class ResponseStore:
         await self._calls(lambda: self._redis.hset(RECORD + response_id, "cancel", "1"))
 
     # Background jobs -------------------------------------------------------------------------------------------
-
-    async def enqueue(self, response_id: str, now_ms: int) -> None:
-        """Add a background response to the jobs not finished yet."""
-        await self._calls(lambda: self._redis.zadd(JOBS, {response_id: now_ms}))
 
     async def claim(self, response_id: str, holder: str, ttl_ms: int) -> bool:
         """Take the run of a background response for `holder` unless someone holds it."""

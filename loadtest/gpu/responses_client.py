@@ -1,8 +1,9 @@
 """A Responses API request function for `vllm bench serve` on a vLLM that has none (0.26.0, the GPU machine's).
 
 Registered by loadtest.gpu.bench only where `openai-responses` is missing; it reads the stream as vLLM 0.32's own
-backend does, so a point measured with either means the same: POST /v1/responses (`input`, `max_output_tokens`,
-`stream`, `store: false`), each `response.output_text.delta` / `response.reasoning_text.delta` event a token
+backend does, so a point measured with either means the same, but for `store`: POST /v1/responses (`input`,
+`max_output_tokens`, `stream`, no `store`: OpenAI's default, true, which the gateway honours by keeping each response
+in Redis while vLLM, whose own store is off, ignores it; vLLM 0.32's backend sends `store: false`), each `response.output_text.delta` / `response.reasoning_text.delta` event a token
 (TTFT at the first, ITL between them), usage and success from `response.completed` / `response.incomplete`, a
 failure on `error` / `response.failed` or a stream that ends without its terminal event. Needs vLLM (imported here,
 so only the bench process loads it).
@@ -46,7 +47,6 @@ async def request_openai_responses(
         "input": request_func_input.prompt,
         "max_output_tokens": request_func_input.output_len,
         "stream": True,
-        "store": False,
     }
     _update_payload_common(payload, request_func_input)
     headers = _get_headers("application/json")

@@ -1,6 +1,8 @@
 """OpenAI's Responses API and Anthropic's Messages API through the gateway on a real `vllm serve` (CPU build, tiny
-demo model), with the response store on: each SDK's own calls, its own exception classes, usage in the gateway's
-counters, stored responses per key, a client that leaves aborting the generation, and what becomes of a tool call
+demo model), whose own response store is off: each SDK's own calls, its own exception classes, usage in the gateway's
+counters, the Responses API's state kept by the gateway (a chain with a function call that outlives a killed engine
+and a new gateway, a background response that outlives its gateway, each key's own), a client that leaves aborting
+the generation, and what becomes of a tool call
 under the presets' tool parser (the operator preset of test_nemotron_presets: Nemotron-Mini's template, a `/think`
 line, the plugin's `nemotron_json` parser). One engine start.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -23,9 +26,16 @@ import openai
 import pytest
 
 from tests.engine.conftest import CACHE_ROOT
-from tests.engine.stacks import gateway_cli, generated_in_vllm, running_up, tokens_generated_since, up_settings
+from tests.engine.stacks import (
+    gateway_cli,
+    generated_in_vllm,
+    running_in_vllm,
+    running_up,
+    tokens_generated_since,
+    up_settings,
+)
 from tests.engine.test_nemotron_presets import OPERATOR_PRESETS, _plugin_path, _token_id
-from tests.procs import REPO_ROOT, ServerProcess, free_port
+from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
 from tools import demo_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
@@ -33,6 +43,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 MODEL = "nemotron"
 STATE_DIR = CACHE_ROOT / "engine-tests-apis"
 WORDS = {"max_output_tokens": 8, "temperature": 0}
+MAX_CHAIN = 6
+LONG = {"ignore_eos": True}
 
 
 @dataclass
@@ -70,7 +82,7 @@ def stack(demo_model_dir: str, redis_url: str, tmp_path_factory: pytest.TempPath
     env = up_settings(
         demo_model_dir, redis_url, engine_port=engine_port, gateway_port=gateway_port, state_dir=STATE_DIR
     )
-    env["NEMOTRON_ENGINE__RESPONSES_STORE"] = "true"
+    env["NEMOTRON_RESPONSES__MAX_CHAIN"] = str(MAX_CHAIN)
     env["NEMOTRON_ENGINE__PROFILES_FILE"] = str(tmp / "operator.toml")
     env["NEMOTRON_RELAY__GENERATION_PROBE_TIMEOUT"] = "60"
     if (plugin_path := _plugin_path(tmp / "plugin")) is not None:
@@ -166,6 +178,12 @@ def test_a_stored_response_is_readable_and_continued_only_with_the_key_that_made
             sdk.responses.create(model=MODEL, input="Which?", previous_response_id=first.id, **WORDS)
         with pytest.raises(openai.NotFoundError):
             sdk.responses.cancel(first.id)
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.input_items.list(first.id)
+    with stack.openai() as sdk:  # still there for its own key
+        assert [item.type for item in sdk.responses.input_items.list(first.id).data] == ["message"]
 
 
 def test_metadata_vllm_echoes_in_a_stream_neither_ends_its_accounting_nor_frees_its_slot(stack: Stack) -> None:
@@ -279,3 +297,125 @@ def test_the_docs_snippets_run_as_printed(stack: Stack) -> None:
             check=False,
         )
         assert done.returncode == 0 and done.stdout.strip(), done.stderr
+
+
+# --- the Responses API's state, kept by the gateway ---
+
+
+def _serve(stack: Stack, port: int) -> ServerProcess:
+    """A gateway of its own (`serve`) on the stack's engine and Redis: what a restarted gateway or another host is."""
+    env = {**stack.env, "NEMOTRON_PORT": str(port), "NEMOTRON_ENGINE_URL": stack.engine}
+    return ServerProcess(
+        [sys.executable, "-m", "gateway", "serve"],
+        env=env,
+        ready_url=f"http://127.0.0.1:{port}/ready",
+        start_timeout=120,
+        stop_timeout=30,
+        port=port,
+    )
+
+
+def _client(port: int, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _vllm_server_pid() -> int:
+    # The supervisor's status file names the engine's process group leader (its guard), whose one child is vLLM.
+    guard = int(json.loads((STATE_DIR / "engine.json").read_text())["group_pid"])
+    children = Path(f"/proc/{guard}/task/{guard}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def test_a_chain_with_a_function_call_outlives_a_killed_engine_and_continues_on_a_new_gateway(
+    stack: Stack, demo_model_dir: str
+) -> None:
+    bias = {"logit_bias": _tool_call_bias(demo_model_dir)}
+    with stack.openai() as sdk:
+        asked = sdk.responses.create(
+            model=MODEL,
+            input="Weather in Paris?",
+            tools=[TOOL],
+            max_output_tokens=1,
+            extra_body=bias,  # type: ignore[list-item]
+        )
+        call = next(item for item in asked.output if item.type == "function_call")
+        answered = sdk.responses.create(
+            model=MODEL,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}],
+            previous_response_id=asked.id,
+            tools=[TOOL],  # type: ignore[list-item]
+            **WORDS,  # type: ignore[arg-type]
+        )
+        assert answered.previous_response_id == asked.id and answered.store is True
+    # The engine goes down hard and comes back with nothing in its memory: the chain lives in Redis.
+    os.kill(_vllm_server_pid(), signal.SIGKILL)
+    wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 503, timeout=30)
+    wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 200, timeout=400, interval=1.0)
+    with stack.openai() as sdk:
+        third = sdk.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=answered.id, **WORDS)  # type: ignore[arg-type]
+    # Each turn was sent the whole conversation: the call, its output and the answers before it.
+    usage = [r.usage.input_tokens for r in (asked, answered, third)]  # type: ignore[union-attr]
+    assert usage[0] < usage[1] < usage[2], usage
+    port = free_port()
+    with _serve(stack, port) as fresh:
+        with openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key=stack.key, max_retries=0, timeout=120
+        ) as sdk:
+            fourth = sdk.responses.create(model=MODEL, input="Thanks.", previous_response_id=third.id, **WORDS)  # type: ignore[arg-type]
+            assert fourth.usage.input_tokens > usage[2]  # type: ignore[union-attr]
+            assert sdk.responses.retrieve(asked.id).output[0].type == "function_call"
+            items = sdk.responses.input_items.list(answered.id).data
+            assert [item.type for item in items] == ["function_call_output"]
+        assert fresh.pid is not None
+
+
+def test_a_background_response_outlives_the_gateway_running_it(stack: Stack) -> None:
+    port = free_port()
+    budget = 600
+    with _serve(stack, port) as first:
+        with _client(port, stack.key) as sdk:
+            queued = sdk.responses.create(
+                model=MODEL,
+                input="A long story",
+                background=True,
+                max_output_tokens=budget,
+                extra_body={"ignore_eos": True},
+            )
+            assert queued.status == "queued" and queued.background is True
+        # SIGTERM at once: the gateway lets go of its run, and the stack's own gateway resumes it.
+        first.stop()
+    with stack.openai() as sdk:
+        # vLLM calls an answer cut at its length `incomplete`, as OpenAI does.
+        finished = ("completed", "incomplete")
+        wait_until(lambda: sdk.responses.retrieve(queued.id).status in finished, timeout=300, interval=0.5)
+        done = sdk.responses.retrieve(queued.id)
+        assert done.usage is not None and done.usage.output_tokens == budget
+        assert done.output and done.output[-1].type == "message"
+        events = list(sdk.responses.retrieve(queued.id, stream=True, starting_after=2))
+        assert events[0].sequence_number == 3 and events[-1].type in ("response.completed", "response.incomplete")
+        assert events[-1].response.status == done.status  # type: ignore[union-attr]
+        sdk.responses.delete(queued.id)  # the SDK reads no body back
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(queued.id)
+    assert f"resuming background response {queued.id}" in stack.proc.log_text()
+
+
+def test_a_background_response_is_cancelled_and_a_broken_chain_is_refused(stack: Stack) -> None:
+    with stack.openai() as sdk:
+        running = sdk.responses.create(
+            model=MODEL, input="A long story", background=True, max_output_tokens=2000, extra_body=LONG
+        )
+        with pytest.raises(openai.BadRequestError, match="continue it once it is finished"):
+            sdk.responses.create(model=MODEL, input="Go on", previous_response_id=running.id, **WORDS)  # type: ignore[arg-type]
+        assert sdk.responses.cancel(running.id).status == "cancelled"
+        wait_until(lambda: running_in_vllm(stack.engine) == 0, timeout=60, message="the cancelled run went on")
+        assert sdk.responses.retrieve(running.id).status == "cancelled"
+        chain = sdk.responses.create(model=MODEL, input="One", **WORDS)  # type: ignore[arg-type]
+        for turn in range(MAX_CHAIN):  # a chain of MAX_CHAIN + 1 responses
+            chain = sdk.responses.create(model=MODEL, input=f"Turn {turn}", previous_response_id=chain.id, **WORDS)  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError, match="more than 6 responses") as too_long:
+            sdk.responses.create(model=MODEL, input="Too far", previous_response_id=chain.id, **WORDS)  # type: ignore[arg-type]
+        assert too_long.value.body["param"] == "previous_response_id"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.create(model=MODEL, input="Hi", previous_response_id="resp_unknown", **WORDS)  # type: ignore[arg-type]
