@@ -3,10 +3,11 @@
 Registered by loadtest.gpu.bench only where `openai-responses` is missing; it reads the stream as vLLM 0.32's own
 backend does, so a point measured with either means the same, but for `store`: POST /v1/responses (`input`,
 `max_output_tokens`, `stream`, no `store`: OpenAI's default, true, which the gateway honours by keeping each response
-in Redis while vLLM, whose own store is off, ignores it; vLLM 0.32's backend sends `store: false`), each `response.output_text.delta` / `response.reasoning_text.delta` event a token
-(TTFT at the first, ITL between them), usage and success from `response.completed` / `response.incomplete`, a
-failure on `error` / `response.failed` or a stream that ends without its terminal event. Needs vLLM (imported here,
-so only the bench process loads it).
+in Redis while vLLM, whose own store is off, ignores it; vLLM 0.32's backend sends `store: false`). Each
+`response.output_text.delta` / `response.reasoning_text.delta` event is a token (TTFT at the first, ITL between
+them), usage and success come from `response.completed` / `response.incomplete`, a failure is `error` /
+`response.failed` or a stream that ends without its terminal event. Needs vLLM (imported here, so only the bench
+process loads it).
 """
 
 from __future__ import annotations
