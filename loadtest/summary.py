@@ -7,6 +7,8 @@ benchmark shows, with the commit and date of the run and the command that reprod
 Kinds and what they read:
   overhead FILE...   the `--json` reports of `python -m loadtest.overhead` (`make bench` writes two: default, lean)
   sweep FILE...      sweep.json of `loadtest/gpu/run bench`, one or several calls of one run, in order
+  apis FILE...       sweep.json of a `loadtest/gpu/run bench` with a Responses API point (RESPONSES_C): every API's
+                     points, for the table of each API through the gateway against direct
   priority FILE      priority.json of `loadtest/gpu/run priority` (its priority phases; its overload phases too)
   soak FILE          soak.json of `make soak`
   idle FILE...       the JSON lines of `python -m loadtest.idle_cpu`, one per reading
@@ -23,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 SUMMARIES = Path(__file__).resolve().parent / "summaries"
-BENCHMARKS = ("overhead", "gpu-sweep", "priority", "overload", "soak", "idle")
+BENCHMARKS = ("overhead", "gpu-sweep", "gpu-apis", "priority", "overload", "soak", "idle")
 COMMANDS = {
     "overhead": "make bench",
     "gpu-sweep": "loadtest/gpu/run bench",
+    "gpu-apis": "CONCURRENCY=64 RESPONSES_C=64 SPLIT=0 loadtest/gpu/run bench",
     "priority": "loadtest/gpu/run priority",
     "overload": "loadtest/gpu/run priority",
     "soak": "make soak",
@@ -167,7 +170,7 @@ def _load(path: Path) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """Write the summary of one run; print its path."""
     parser = argparse.ArgumentParser(prog="python -m loadtest.summary", description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=("overhead", "sweep", "priority", "soak", "idle"))
+    parser.add_argument("kind", choices=("overhead", "sweep", "apis", "priority", "soak", "idle"))
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--commit", help="the commit measured (default: the reports' revision, else HEAD's)")
     parser.add_argument("--date", default=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"))
@@ -186,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.kind == "sweep":
         sweeps = [_load(path) for path in args.files]
         entries.append(("gpu-sweep", {"label": sweeps[0].get("label", ""), "points": sweep_points(sweeps)}))
+    elif args.kind == "apis":
+        sweeps = [_load(path) for path in args.files]
+        entries.append(("gpu-apis", {"label": sweeps[0].get("label", ""), "points": sweep_points(sweeps)}))
     elif args.kind == "priority":
         report = _load(args.files[0])
         entries.append(("priority", {"repeats": [priority_phases(report)]}))

@@ -154,6 +154,44 @@ def _gpu_sweep(data: dict[str, Any]) -> list[str]:
     return _table(header, rows)
 
 
+def _gpu_apis(data: dict[str, Any]) -> list[str]:
+    """Each API's direct and gateway points at one concurrency, side by side."""
+    header = [
+        "API",
+        "c",
+        "output tokens/s direct / gateway (share)",
+        "TTFT p50 / p99 direct ms",
+        "TTFT p50 / p99 gateway ms",
+        "ITL p50 direct / gateway ms",
+        "CPU s per 1,000 output tokens: gateway",
+        "errors",
+    ]
+    rows = []
+    judged = [p for p in data["points"] if not p["check"] and not p["cut"] and p["ok"]]
+    for api in dict.fromkeys(p["api"] for p in judged):
+        for c in sorted({p["concurrency"] for p in judged if p["api"] == api}):
+            found = {p["target"]: p for p in judged if p["api"] == api and p["concurrency"] == c}
+            direct, gateway = found.get("direct"), found.get("gateway")
+            if direct is None or gateway is None:
+                continue
+            share = gateway["output_tokens_per_s"] / direct["output_tokens_per_s"] * 100
+            failed = sum((p["requests"] or 0) - (p["ok"] or 0) for p in (direct, gateway))
+            requests = sum(p["requests"] or 0 for p in (direct, gateway))
+            rows.append(
+                [
+                    api,
+                    str(c),
+                    f"{direct['output_tokens_per_s']:,.0f} / {gateway['output_tokens_per_s']:,.0f} (**{share:.1f} %**)",
+                    f"{_num(direct['ttft_p50_ms'])} / {_num(direct['ttft_p99_ms'])}",
+                    f"{_num(gateway['ttft_p50_ms'])} / {_num(gateway['ttft_p99_ms'])}",
+                    f"{_num(direct['itl_p50_ms'], 2)} / {_num(gateway['itl_p50_ms'], 2)}",
+                    _num(gateway["cpu_s_per_1k_tokens"]["gateway"], 3),
+                    f"{failed:,} of {requests:,}",
+                ]
+            )
+    return _table(header, rows)
+
+
 def _priority(data: dict[str, Any]) -> list[str]:
     phases = [name for repeat in data["repeats"] for name in repeat]
     columns = list(dict.fromkeys(phases))
@@ -261,6 +299,7 @@ def _idle(data: dict[str, Any]) -> list[str]:
 _RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "overhead": _overhead,
     "gpu-sweep": _gpu_sweep,
+    "gpu-apis": _gpu_apis,
     "priority": _priority,
     "overload": _overload,
     "soak": _soak,

@@ -112,3 +112,22 @@ def test_an_overhead_report_becomes_the_tables_row() -> None:
         summary.summary("overhead", "abc1234", "2030-01-01", "make bench", "", {"configs": [config]})
     )
     assert "| default settings | 0.300 | 3,300 | 0.600 (0.900) | 11.0 (8.0; 1.30\u00d7) | 2 % |" in table
+
+
+def test_the_apis_table_sets_each_apis_gateway_point_beside_its_direct_one() -> None:
+    points = [
+        _point("direct", 64, 1000.0, 50.0),
+        _point("gateway", 64, 1030.0, 49.0),
+        {**_point("direct", 64, 800.0, 60.0), "api": "responses", "ttft_p99_ms": 90.0},
+        {**_point("gateway", 64, 760.0, 61.0), "api": "responses", "ttft_p99_ms": 80.0, "ok": 9},
+    ]
+    points[0]["ttft_p99_ms"] = points[1]["ttft_p99_ms"] = 70.0
+    entry = summary.summary("gpu-apis", "abc1234", "2030-01-02", "run bench", "a GPU", {"points": points})
+    rows = [
+        line
+        for line in perf_doc.render(entry).splitlines()
+        if line.startswith("| chat") or line.startswith("| responses")
+    ]
+    assert rows[0].startswith("| chat | 64 | 1,000 / 1,030 (**103.0 %**)")
+    assert rows[1].startswith("| responses | 64 | 800 / 760 (**95.0 %**) | 60.0 / 90.0 | 61.0 / 80.0")
+    assert rows[1].endswith("| 1 of 20 |")
