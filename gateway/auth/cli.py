@@ -177,11 +177,12 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _delete(store: KeyStore, responses: ResponseStore, name: str) -> None:
-    """Delete the key's record, then every response it stored (the audit trail names how many)."""
+    """Delete the key's record, then every response it stored (the audit trail names how many, when any)."""
     key = await store.get(name)
     await store.delete(name)
     deleted = await responses.delete_owner(key.key_id)
-    await store.audit.note("delete-responses", key, {"stored_responses_deleted": deleted})
+    if deleted:
+        await store.audit.note("delete-responses", key, {"stored_responses_deleted": deleted})
     _out(
         f"Deleted API key '{name}' and its {deleted} stored response(s); it stops working on every gateway within "
         "a second."
