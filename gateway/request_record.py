@@ -7,9 +7,10 @@ the `kind` label of `nemotron_gateway_engine_errors_total`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 
 class EngineErrorKind(StrEnum):
@@ -32,6 +33,33 @@ class EngineErrorKind(StrEnum):
         return self not in (EngineErrorKind.REFUSED, EngineErrorKind.ERROR_STATUS)
 
 
+class RequestTrace(Protocol):
+    """The request's trace where tracing is on (gateway/tracing/): told what the engine answers, ended once."""
+
+    @property
+    def trace_id(self) -> int:
+        """The trace's id (the access log shows it)."""
+        ...
+
+    @property
+    def recording(self) -> bool:
+        """Whether the request is sampled: its spans are built and exported."""
+        ...
+
+    @property
+    def marks(self) -> tuple[bytes, ...]:
+        """What makes the stream relay parse a chunk for `read` as well (recording only)."""
+        ...
+
+    def read(self, event: dict[str, Any]) -> None:
+        """An answer or stream event of the engine (its finish reasons, id, the text when captured)."""
+        ...
+
+    def end(self, record: RequestRecord, status: int, ended_at: float) -> None:
+        """The request is over (its last byte sent at `ended_at`): build and hand over its spans."""
+        ...
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """One request's facts for the access-log line and the metrics; never holds a secret."""
@@ -44,7 +72,8 @@ class RequestRecord:
     first_chunk_at: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    client_disconnected: bool = False
+    # When the client was found gone (`client_disconnected`), on the clock of `started_at`.
+    client_gone_at: float | None = None
     engine_error: EngineErrorKind | None = None
     # A refusal's cause class (GatewayError.cause: the limit of a 429, the class of a 401), for metrics and logs.
     cause: str | None = None
@@ -62,6 +91,28 @@ class RequestRecord:
     # Whether the gateway stores this exchange's Responses answer: then `response` holds its finished object.
     keep_response: bool = False
     response: dict[str, Any] | None = None
+    # The key's priority as admitted (lower is sooner).
+    priority: int | None = None
+    # Marks on the clock of `started_at`, for the request's trace: the key checked, the body read and prepared, the
+    # engine connection in hand, its answer's head read, the exchange settled (the answer's last byte, or its end).
+    key_checked_at: float | None = None
+    prepared_at: float | None = None
+    engine_connected_at: float | None = None
+    engine_answered_at: float | None = None
+    engine_ended_at: float | None = None
+    trace: RequestTrace | None = None
+
+    @property
+    def client_disconnected(self) -> bool:
+        """Whether the client went away before its answer was complete."""
+        return self.client_gone_at is not None
+
+    @client_disconnected.setter
+    def client_disconnected(self, gone: bool) -> None:
+        if not gone:
+            self.client_gone_at = None
+        elif self.client_gone_at is None:
+            self.client_gone_at = time.perf_counter()
 
     def take_usage(self, usage: Any) -> None:
         """Record the engine's `usage` object (ignored when malformed): OpenAI's chat and completion names

@@ -25,6 +25,7 @@ from gateway.relay.readiness import SharedEngineState
 from gateway.relay.served_model import ModelOverrides
 from gateway.responses import ResponseStore
 from gateway.settings import Settings
+from gateway.tracing.tracer import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Services:
     admission: EngineAdmission
     guard: FailedAuthGuard
     exposition: Exposition
+    tracer: Tracer | None = None  # None: tracing is off (no OTEL_EXPORTER_OTLP_ENDPOINT)
 
     @classmethod
     def build(cls, settings: Settings, metrics: GatewayMetrics, shared: SharedEngineState) -> Services:
@@ -79,6 +81,7 @@ class Services:
             admission=admission,
             guard=FailedAuthGuard(redis, settings, metrics),
             exposition=Exposition(settings, metrics, engine),
+            tracer=Tracer.from_settings(settings, metrics),
         )
 
     async def start(self) -> None:
@@ -97,6 +100,7 @@ class Services:
     def _parts(self) -> list[tuple[Start, Stop]]:
         """What `start` starts, in order, each with what stops it."""
         parts: list[tuple[Start, Stop]] = [
+            *([(self.tracer.start, self.tracer.stop)] if self.tracer is not None else []),
             (self.engine.start, self.engine.stop),
             (self.monitor.start, self.monitor.stop),
             (self._check_redis_at_start, _nothing),
@@ -126,6 +130,8 @@ class Services:
         await self.limiter.stop()
         await self.monitor.stop()
         await self.engine.stop()
+        if self.tracer is not None:
+            await self.tracer.stop()
         await self._close_pools()
 
     async def _close_pools(self) -> None:

@@ -500,6 +500,29 @@ class MetricsSettings(_Group):
     engine_timeout: float = Field(5.0, gt=0, description="Seconds the engine's /metrics may take for one scrape.")
 
 
+class TracingSettings(_Group):
+    """OpenTelemetry tracing (`NEMOTRON_TRACING__<FIELD>`): what the standard `OTEL_*` variables do not say.
+
+    Tracing is on when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` names a collector (and
+    neither `OTEL_SDK_DISABLED=true` nor `OTEL_TRACES_EXPORTER=none` turns it off); the protocol, headers, sampler,
+    service name and batching are the standard variables' (see [Tracing](operations/tracing.md)).
+    """
+
+    capture_content: bool = Field(
+        False,
+        description="Put the prompt and the completion text on the request's span (`gen_ai.input.messages`, "
+        "`gen_ai.output.messages`). Off: no text a client sent or the model wrote is ever exported.",
+    )
+    engine: bool = Field(
+        True,
+        description="Start vLLM with its own tracing pointed at the same collector, so that its spans of a request "
+        "nest under the gateway's; only the requests the gateway samples are traced there.",
+    )
+    engine_service_name: str = Field(
+        "vllm", min_length=1, description="`service.name` of the engine's spans (the gateway's is `OTEL_SERVICE_NAME`)."
+    )
+
+
 class Settings(BaseSettings):
     """The gateway's configuration: environment variables `NEMOTRON_<FIELD>`, an optional env file, or flags.
 
@@ -598,6 +621,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @field_validator("redis_url")
     @classmethod
@@ -742,6 +766,15 @@ def inherited_listen_fd() -> int | None:
 # the variable when it is first imported, so it is set before the serving modules are (each scrape then reports
 # every worker's series).
 METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+
+
+# The standard OpenTelemetry variables start with this; they are read here, not as settings (gateway/tracing/otlp.py).
+OTEL_PREFIX = "OTEL_"
+
+
+def otel_variables() -> dict[str, str]:
+    """The standard `OTEL_*` variables of this process's environment (tracing's switch and its collector)."""
+    return {name: value for name, value in os.environ.items() if name.startswith(OTEL_PREFIX)}
 
 
 def metrics_dir() -> Path | None:

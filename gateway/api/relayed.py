@@ -9,6 +9,7 @@ and answers with an ASGI app: the engine's whole answer, or for streams the SSE 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from gateway.ratelimit import EffectiveLimits, RequestLease
 from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.exchange import Exchange
 from gateway.relay.shapes import WireShape
+from gateway.request_record import RequestRecord
 from gateway.services import Services
 from gateway.types import ASGIApp
 
@@ -82,7 +84,9 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
     """Any relayed route: validated, policy applied, admitted against the key's limits, relayed (streamed or not)."""
     services = get_services(request)
     record = get_record(request)
+    trace = record.trace = services.tracer.begin(request.headers) if services.tracer is not None else None
     key = await require_api_key(request, services)
+    record.key_checked_at = time.perf_counter()
     # Usage by API is kept under the route's API label (chat, responses, ...), so every relayed route counts.
     lease = RequestLease(services.limiter, key, record.api or api.path) if key is not None else None
     if lease is not None:
@@ -93,7 +97,7 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
     info = await services.monitor.require_ready()
     turn = await api.begin_turn(request, key, body) if api.begin_turn is not None else None
     prepared = (api.prepare if turn is None else turn.prepare)(body, services.settings, info)
-    record.model, record.stream = prepared.model, prepared.stream
+    record.model, record.stream, record.prepared_at = prepared.model, prepared.stream, time.perf_counter()
     if key is not None:
         services.keys.check_model(key, prepared.model)
         prepared = prepared.capped(_token_limit(services.limiter.effective_limits(key)), info.context_length)
@@ -113,7 +117,11 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
             admitting = lease.acquire_beside(prepared.tokens_estimate)
         if admitting is None:
             prepared = await _acquire(lease, prepared)
-    engine_body, engine_headers = api.engine_request(request, prepared, await _admit(services, key, prepared, lease))
+    engine_body, engine_headers = api.engine_request(
+        request, prepared, await _admit(services, key, prepared, lease, record)
+    )
+    if trace is not None:
+        trace.sending(engine_headers, time.perf_counter(), prepared.max_tokens, engine_body)
     return await services.relay.forward(
         Exchange(
             api.path,
@@ -155,15 +163,15 @@ def _token_limit(limits: EffectiveLimits) -> int | None:
 
 
 async def _admit(
-    services: Services, key: ApiKey | None, prepared: PreparedRequest, lease: RequestLease | None
+    services: Services, key: ApiKey | None, prepared: PreparedRequest, lease: RequestLease | None, record: RequestRecord
 ) -> int | None:
-    """Admit the request at its priority against the engine's queue (its lease released uncharged when refused); the
-    priority to send the engine: None unless it schedules by priority."""
+    """Admit the request at its priority (kept on `record`) against the engine's queue (its lease released uncharged
+    when refused); the priority to send the engine: None unless it schedules by priority."""
     if not prepared.generates:
         # Counting tokens takes no place in the engine's queue: counted there, it would refuse other keys'
         # generations until the next scrape of the engine's gauges.
         return None
-    priority = _priority(services, key, prepared)
+    priority = record.priority = _priority(services, key, prepared)
     try:
         await services.admission.admit(priority)
         scheduling = services.monitor.priority_scheduling

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gateway.engine.presets import Preset, engine_profile
 from gateway.engine.profiles import Profile, ProfileError, build_argv, unknown_flags
+from gateway.engine.tracing import with_tracing
 from gateway.settings import EngineSettings, Settings
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ def prepare(settings: Settings, *, check_flags: bool = True) -> tuple[Profile, l
         argv = build_argv(launcher, settings.engine, profile)
     if not custom:
         argv = serve_launcher(argv, launcher, version)
-    return profile, argv, _environment(settings, profile)
+    return profile, *with_tracing(settings, argv, _environment(settings, profile))
 
 
 def _environment(settings: Settings, profile: Profile) -> dict[str, str]:
@@ -250,7 +251,8 @@ def unchecked_argv(settings: Settings) -> tuple[Profile, list[str], dict[str, st
     """The engine's command line for a host without vLLM (an operator preparing a GPU host elsewhere): `vllm
     serve` and the flags, none checked against a vLLM's `--help=all`, every `if-accepted` flag kept."""
     profile, _ = engine_profile(settings.engine)
-    return profile, build_argv(list(UNCHECKED_LAUNCHER), settings.engine, profile), _environment(settings, profile)
+    argv = build_argv(list(UNCHECKED_LAUNCHER), settings.engine, profile)
+    return profile, *with_tracing(settings, argv, _environment(settings, profile))
 
 
 def added_variables(env: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -132,19 +132,17 @@ class RequestContextMiddleware:
         id_header = (b"x-request-id", record.request_id.encode())
         status = 500
         finished = False
+        ended = started
 
         def finish() -> None:
-            nonlocal finished
+            nonlocal finished, status, ended
             if finished:
                 return
             finished = True
             self.metrics.in_flight.dec()
-            self._finish(
-                scope,
-                record,
-                CLIENT_CLOSED_REQUEST if record.client_disconnected else status,
-                time.perf_counter() - started,
-            )
+            ended = time.perf_counter()
+            status = CLIENT_CLOSED_REQUEST if record.client_disconnected else status
+            self._finish(scope, record, status, ended - started)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -162,6 +160,8 @@ class RequestContextMiddleware:
             await self.app(scope, _bounded_body(receive, self.http), send_with_id)
         finally:
             finish()  # an answer that never got its last byte out (an error, a client gone)
+            if record.trace is not None:  # its spans are built once the client has the whole answer
+                record.trace.end(record, status, ended)
 
     def _finish(self, scope: Scope, record: RequestRecord, status: int, duration: float) -> None:
         path = scope["path"]
@@ -205,7 +205,7 @@ def _emit(message: str, *args: object) -> None:
 def _text_line(scope: Scope, record: RequestRecord, status: int, duration: float, ttft: float | None) -> None:
     client = scope.get("client")
     _emit(
-        '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s api=%s%s',
+        '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s api=%s%s%s',
         loggable(client[0]) if client else "-",
         loggable(scope["method"]),
         loggable(scope["path"]),
@@ -220,6 +220,7 @@ def _text_line(scope: Scope, record: RequestRecord, status: int, duration: float
         "-" if ttft is None else f"{ttft * 1000:.1f}ms",
         record.api or "-",
         f" engine_error={record.engine_error}" if record.engine_error else "",
+        "" if record.trace is None else f" trace={record.trace.trace_id:032x}",
     )
 
 
@@ -246,6 +247,7 @@ def _json_line(scope: Scope, record: RequestRecord, status: int, duration: float
         "disconnected": record.client_disconnected,
         "engine_error": record.engine_error,
         "cause": record.cause,
+        "trace_id": None if record.trace is None else f"{record.trace.trace_id:032x}",
     }
     _emit("%s", orjson.dumps(line).decode())
 

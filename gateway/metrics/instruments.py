@@ -196,6 +196,19 @@ class GatewayMetrics:
             ["tier", "field"],
             registry=r,
         )
+        self.trace_spans_exported = Counter(
+            "nemotron_gateway_trace_spans_exported",
+            "Spans the trace collector took (tracing on: OTEL_EXPORTER_OTLP_ENDPOINT).",
+            registry=r,
+        )
+        self.trace_spans_dropped = Counter(
+            "nemotron_gateway_trace_spans_dropped",
+            "Spans never exported, by reason (queue_full: the export queue had no room for a request's spans; "
+            "export_failed: the collector refused them or did not answer in time; shutdown: still queued when the "
+            "gateway stopped). Requests are never slowed for them.",
+            ["reason"],
+            registry=r,
+        )
 
     def count_api(
         self, api: str, status: int, prompt: int | None, completion: int | None, reasoning: int | None

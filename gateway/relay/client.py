@@ -73,11 +73,12 @@ def engine_errors(timeout_message: str, retry_after: float = 1.0) -> Iterator[No
 class UpstreamResponse:
     """A started engine response: status and headers are known, the body is still to be read."""
 
-    __slots__ = ("_response", "_retry_after", "content_type", "status")
+    __slots__ = ("_response", "_retry_after", "connected_at", "content_type", "status")
 
     def __init__(self, response: http1.Response, retry_after: float = 1.0) -> None:
         self._response = response
         self._retry_after = retry_after
+        self.connected_at = response.connected_at
         self.status = response.status
         self.content_type = response.content_type or "application/json"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -144,6 +145,7 @@ class Settlement:
             return
         self._settled = True
         record = self._record
+        record.engine_ended_at = time.perf_counter()
         kind = record.engine_error
         if kind is not None:
             self._errors[kind].inc()
@@ -336,6 +338,8 @@ class EngineRelay:
                 parsed.update(response_fields)
                 answer = orjson.dumps(parsed)
             record.take_answer(parsed)
+            if record.trace is not None:
+                record.trace.read(parsed)
         await settlement.settle()
         return BufferedAnswer(200, answer, upstream.content_type, headers)
 
@@ -359,6 +363,7 @@ class EngineRelay:
         self._activity.begin(waiter)
         try:
             upstream = await self._client.open(path, body, record.engine_request_id, method=method, headers=headers)
+            record.engine_connected_at, record.engine_answered_at = upstream.connected_at, time.perf_counter()
             if not read_body and upstream.status == 200:
                 return upstream, None
             return upstream, await self._client.read_body(upstream)

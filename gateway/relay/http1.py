@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Final, cast
@@ -60,10 +61,23 @@ class Response:
     Chunks that arrived before the connection failed are handed out before the failure is raised.
     """
 
-    __slots__ = ("_chunks", "_connection", "_error", "_size", "_tap", "_waiter", "content_type", "done", "status")
+    __slots__ = (
+        "_chunks",
+        "_connection",
+        "_error",
+        "_size",
+        "_tap",
+        "_waiter",
+        "connected_at",
+        "content_type",
+        "done",
+        "status",
+    )
 
     def __init__(self, connection: _Connection) -> None:
         self._connection: _Connection | None = connection
+        # When the request had its connection (pooled or new), on time.perf_counter()'s clock: the request's trace.
+        self.connected_at = time.perf_counter()
         self.status = 0
         self.content_type: str | None = None  # the Content-Type header, when the answer has one
         self._chunks: list[bytes] = []

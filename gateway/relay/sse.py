@@ -185,6 +185,10 @@ class SSERelay:
         self._held_marks = (_USAGE_KEY, *shape.end_marks, *patched)
         # What makes the pump parse a chunk's data lines: a usage object, a candidate for the end, a response object.
         self._read_marks = (*_USAGE_MARKERS, *shape.end_marks, *patched)
+        trace = record.trace
+        if trace is not None and trace.recording:  # what the request's trace reads too (its finish reasons)
+            self._held_marks += trace.marks
+            self._read_marks += trace.marks
         # The pump waits on the engine with nothing buffered and no partial line: a chunk may go straight out.
         self._parked = False
 
@@ -378,6 +382,8 @@ class SSERelay:
                 elif self._response_fields and isinstance(event.get("response"), dict):
                     event["response"].update(self._response_fields)
                     line = _DATA + b" " + orjson.dumps(event)
+                if event is not None and self._record.trace is not None:
+                    self._record.trace.read(event)
                 ends = ends or shape.ends(line, event)
                 answer = shape.answer_of(event) if event is not None else None
                 if answer is not None:

@@ -37,6 +37,7 @@ LEAVES = (
     "gateway/types.py",
     "gateway/deadline.py",
     "gateway/background.py",
+    "gateway/tracing/otlp.py",
 )
 OPTIONAL_LEAVES = ("gateway/engine/supervisor_state.py",)
 FOUNDATIONS = ("gateway/engine/", "gateway/redis/", "gateway/usage.py")
@@ -48,6 +49,7 @@ SERVICES = (
     "gateway/doctor/",
     "gateway/metrics/",
     "gateway/responses/",
+    "gateway/tracing/",
 )
 WEB_LAYER = ("fastapi", "starlette", "gateway.api", "gateway.app", "gateway.http", "gateway.services")
 ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/engine/", "gateway/supervisor/", "gateway/doctor/")
@@ -69,8 +71,9 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HTTP edge", ("gateway/http/",)),
     ("command line", CLI_LAYER),
 )
-# What the engine package reads: settings (its one input), errors and itself; nothing that runs or serves.
-ENGINE_MAY_IMPORT = ("gateway.settings", "gateway.errors", "gateway.engine")
+# What the engine package reads: settings (its one input), errors, what the OTEL_* variables say (a leaf: vLLM's own
+# tracing goes to the gateway's collector) and itself; nothing that runs or serves.
+ENGINE_MAY_IMPORT = ("gateway.settings", "gateway.errors", "gateway.tracing.otlp", "gateway.engine")
 DOCTOR_NEVER_IMPORTS = ("aiohttp", "fastapi", "starlette", "uvicorn", "gateway.relay", "gateway.app")
 # Top-level packages of the `cpu`/`gpu` extras, which the test environment need not have.
 OPTIONAL_EXTRAS = {"torch", "vllm", "flash_attn", "pynvml", "safetensors", "tokenizers", "transformers"}

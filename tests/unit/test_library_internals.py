@@ -14,6 +14,7 @@ import functools
 import inspect
 import textwrap
 import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,16 @@ import uvicorn
 
 from gateway.http import uvicorn_internals
 from gateway.redis import internals as redis_internals
+from gateway.tracing import request as tracing_request
 from gateway.types import LibraryInternals
 
 pytestmark = pytest.mark.timeout(30)
 
-ALL_INTERNALS = [(module, declared) for module in (uvicorn_internals, redis_internals) for declared in module.INTERNALS]
+ALL_INTERNALS = [
+    (module, declared)
+    for module in (uvicorn_internals, redis_internals, tracing_request)
+    for declared in module.INTERNALS
+]
 DECLARED = [
     pytest.param(internals, id=f"{module.__name__.split('.', 1)[-1]}:{internals.library_class.__name__}")
     for module, internals in ALL_INTERNALS
@@ -174,3 +180,16 @@ def test_redis_bounds_in_pyproject_are_those_the_internals_were_checked_on() -> 
 )
 def test_the_redis_bound_admits_the_releases_it_names_and_no_other(version: str, expected: bool) -> None:
     assert redis_internals.supported(version) is expected
+
+
+def test_opentelemetry_bounds_in_pyproject_are_those_the_span_building_was_checked_on() -> None:
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert tracing_request.REQUIREMENT in project["dependencies"], (
+        f"pyproject.toml must require {tracing_request.REQUIREMENT!r}, the SDK releases gateway/tracing/request.py "
+        "was checked on"
+    )
+    installed = tuple(int(part) for part in metadata.version("opentelemetry-sdk").split(".")[:2])
+    assert (1, 45) <= installed < (2, 0), (
+        f"opentelemetry-sdk {metadata.version('opentelemetry-sdk')} is installed, outside "
+        f"{tracing_request.REQUIREMENT}: re-read what gateway/tracing/request.py relies on, then widen the bound"
+    )

@@ -73,6 +73,7 @@ class FakeResponse:
         self.status = status
         self.content = content
         self.content_type: str | None = None
+        self.connected_at = 0.0
         self.close_calls = 0
 
     async def read_chunk(self) -> bytes:
