@@ -14,7 +14,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -23,6 +24,28 @@ from gateway.metrics.instruments import GatewayMetrics
 from gateway.tracing.otlp import OtlpTraces
 
 logger = logging.getLogger(__name__)
+
+# The SDK's OTLP/HTTP exporter logs every retry and every failed batch: with a collector down, a line or two a second
+# per worker. Its lines still tell why (a refused connection, a 401 for wrong headers), one a minute.
+EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+EXPORTER_LOG_INTERVAL = 60.0
+
+
+class LogThrottle(logging.Filter):
+    """Lets one record through every `interval` seconds."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._interval = interval
+        self._clock = clock
+        self._next = float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        if now < self._next:
+            return False
+        self._next = now + self._interval
+        return True
 
 
 class SpanBatcher:
@@ -43,9 +66,11 @@ class SpanBatcher:
         }
         # One warning per outage: the next success logs that export works again.
         self._failing = False
+        self._throttle = LogThrottle(EXPORTER_LOG_INTERVAL)
 
     def start(self) -> None:
-        """Start the export thread."""
+        """Start the export thread (and quiet the exporter's own log to a line a minute)."""
+        logging.getLogger(EXPORTER_LOGGER).addFilter(self._throttle)
         self._thread = threading.Thread(target=self._run, name="nemotron-span-export", daemon=True)
         self._thread.start()
 
@@ -74,6 +99,7 @@ class SpanBatcher:
         self._queue.clear()
         if left:
             self._dropped["shutdown"].inc(left)
+        logging.getLogger(EXPORTER_LOGGER).removeFilter(self._throttle)
 
     def _run(self) -> None:
         while not self._stopping:

@@ -4,6 +4,7 @@ decodes them, the export queue's bounds and counts, the text that never goes out
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from gateway.metrics.instruments import GatewayMetrics
 from gateway.request_record import EngineErrorKind, RequestRecord
 from gateway.settings import Settings, TracingSettings
 from gateway.tracing.content import OutputText, input_attributes
-from gateway.tracing.export import SpanBatcher
+from gateway.tracing.export import LogThrottle, SpanBatcher
 from gateway.tracing.otlp import OtlpConfigError, OtlpTraces
 from gateway.tracing.request import RequestTrace
 from gateway.tracing.tracer import Tracer
@@ -408,6 +409,17 @@ def test_spans_left_at_a_stop_that_cannot_export_are_counted() -> None:
     batcher.stop(timeout=0.1)
     batcher.add(spans_of(1))  # after the stop
     assert dropped(metrics, "shutdown") == 3
+
+
+def test_the_exporters_own_log_is_throttled() -> None:
+    now = [0.0]
+    throttle = LogThrottle(60, clock=lambda: now[0])
+    record = logging.LogRecord("x", logging.WARNING, __file__, 1, "retrying", (), None)
+    passed = []
+    for at in (0, 1, 59, 60, 61, 125):
+        now[0] = at
+        passed.append(throttle.filter(record))
+    assert passed == [True, False, False, True, False, True]
 
 
 # --- the record's marks ---
