@@ -18,7 +18,7 @@ test-deploy:    ## the shipped units under a real systemd (a booted Debian conta
 lint:
 	scripts/bootstrap && .venv/bin/ruff check gateway engine_patches loadtest tests tools deploy && .venv/bin/mypy
 
-bench:          ## gateway overhead vs the engine directly and vs nginx (the reference proxy): the default settings, then lean
+bench:          ## gateway overhead vs the engine directly and vs nginx (the reference proxy): default settings, lean, tracing
 	scripts/bootstrap
 	@# nginx is the reference (its rows and the per-chunk ratio); as root it comes from Debian's packages, as for make test
 	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || [ "$$(id -u)" != 0 ] || \
@@ -29,8 +29,11 @@ bench:          ## gateway overhead vs the engine directly and vs nginx (the ref
 	.venv/bin/python -m loadtest.overhead --json loadtest/results/overhead-default.json
 	@echo "== lean: access log off, one worker, no keys"
 	.venv/bin/python -m loadtest.overhead --lean --json loadtest/results/overhead-lean.json
-	@# the run's small summary for the performance page (docs/performance.md: python -m tools.perf_doc renders it)
+	@echo "== tracing: off, on sampled at 100 % and at 1 % (default settings, an OTLP sink), in the same rounds"
+	.venv/bin/python -m loadtest.overhead --tracing --no-nginx --json loadtest/results/overhead-tracing.json
+	@# the run's small summaries for the performance page (docs/performance.md: python -m tools.perf_doc renders them)
 	.venv/bin/python -m loadtest.summary overhead loadtest/results/overhead-default.json loadtest/results/overhead-lean.json
+	.venv/bin/python -m loadtest.summary tracing loadtest/results/overhead-tracing.json
 
 hotspots:       ## where the gateway's CPU goes under the bench's load (py-spy, default settings; HOTSPOTS_ARGS="--lean")
 	scripts/bootstrap

@@ -9,6 +9,7 @@ CPU time per request and per relayed chunk from each process's CPU-time clock. I
     python -m loadtest.overhead [--duration S] [--rounds K] [--concurrency 1 32] [--json OUT]
     python -m loadtest.overhead --lean [--auth]     # access log off, one worker, no keys (--auth: keys on)
     python -m loadtest.overhead --no-nginx          # without the nginx reference
+    python -m loadtest.overhead --tracing           # tracing off, on at 100 % and at 1 %, in the same rounds
 
 By default the gateway runs with the settings a user runs: no NEMOTRON_* variable but the engine and Redis
 URLs, so the access log is on (info level), the worker count is its default (one per usable CPU: one under
@@ -16,6 +17,10 @@ the bench's one-core pin, two with `--no-pin` on a 2-core machine) and keys and 
 admitted through the Redis limiter on every request (limits high enough never to refuse). `--lean` is the
 relay alone. CPU is summed over the gateway's process and its forked workers. Without `--redis-url` a
 private redis-server is started (on core 1, with the engine).
+
+`--tracing` measures two more gateways of this tree in the same rounds, with OpenTelemetry tracing on (the OTEL_*
+variables) and sampled at 100 % and at 1 %, exporting to an OTLP sink on core 1 (`loadtest/otlp_sink.py`); the
+plain gateway is tracing off. Each is summarized as the gateway; the spans each exported and dropped are reported.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 
 from loadtest.nginx import nginx_binary, nginx_process
@@ -62,7 +68,15 @@ GATEWAY, ENGINE, NGINX = "gateway", "engine", "nginx"
 # A second gateway from another source tree (`--baseline DIR`), measured in the same rounds: before and after a
 # change under the same noise.
 BASELINE = "baseline"
-_GATEWAYS = (GATEWAY, BASELINE)
+# Gateways of this tree with tracing on, sampled at these ratios (`--tracing`), measured in the same rounds.
+TRACED = {"traced-100": "1", "traced-1": "0.01"}
+_GATEWAYS = (GATEWAY, BASELINE, *TRACED)
+SINK = "otlp-sink"
+# Tracing's settings besides the sampler: the sink, and a schedule delay short enough that a phase's spans are
+# exported (and their CPU counted) within the phase rather than during the next target's.
+TRACING_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio"}
+# Seconds between two phases with tracing on: the last spans of a traced phase go out before the next phase starts.
+TRACING_SETTLE = 0.5
 DIRECT = "direct"
 # The overhead targets (README, "Performance"); a request with a key and the Redis limiter may cost up to
 # `ms_per_request_auth`.
@@ -102,6 +116,7 @@ class Options:
     lean: bool = False
     baseline: Path | None = None
     settings: tuple[tuple[str, str], ...] = ()  # NEMOTRON_* settings of this tree's gateway alone (`--setting`)
+    tracing: bool = False
 
     @property
     def label(self) -> str:
@@ -155,6 +170,8 @@ async def measure(
                     headers=headers if target in _GATEWAYS else None,
                 )
                 records.append(record)
+                if options.tracing:
+                    await asyncio.sleep(TRACING_SETTLE)
                 proxy = target if target in record.cpu_s else GATEWAY
                 sys.stderr.write(
                     f"round {round_no} {workload.name:<24} {target:<8} {record.rps:8.0f} req/s "
@@ -343,11 +360,24 @@ class Targets:
     headers: dict[str, str] | None
 
 
-def run(options: Options) -> list[PhaseRecord]:
-    """Start the targets, measure, stop them."""
+def run(options: Options) -> tuple[list[PhaseRecord], dict[str, dict[str, float]]]:
+    """Start the targets, measure, stop them; the records, and with `--tracing` each traced gateway's span counts."""
     with ExitStack() as stack:
         targets = start_targets(options, stack)
-        return asyncio.run(measure(options, targets.urls, CpuMeter(targets.pids), targets.headers))
+        records = asyncio.run(measure(options, targets.urls, CpuMeter(targets.pids), targets.headers))
+        return records, {name: span_counts(targets.urls[name]) for name in TRACED if name in targets.urls}
+
+
+def span_counts(chat_url: str) -> dict[str, float]:
+    """A gateway's exported and dropped spans, from its /metrics (`chat_url`: its chat-completions URL)."""
+    base = chat_url.removesuffix("/v1/chat/completions")
+    found = {"exported": 0.0, "dropped": 0.0}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("nemotron_gateway_trace_spans_exported_total "):
+            found["exported"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("nemotron_gateway_trace_spans_dropped_total{"):
+            found["dropped"] += float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def start_targets(options: Options, stack: ExitStack) -> Targets:
@@ -405,6 +435,30 @@ def start_targets(options: Options, stack: ExitStack) -> Targets:
         base.wait_http(f"http://127.0.0.1:{base_port}/ready")
         pids[BASELINE] = base.pid
         urls[BASELINE] = f"http://127.0.0.1:{base_port}/v1/chat/completions"
+    if options.tracing:
+        sink_port = free_port()
+        sink = stack.enter_context(
+            BenchProcess(SINK, python_argv("loadtest.otlp_sink", "--port", str(sink_port)), core=1 if pin else None)
+        )
+        sink.wait_http(f"http://127.0.0.1:{sink_port}/stats")
+        for name, ratio in TRACED.items():
+            port = free_port()
+            tracing = TRACING_ENV | {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
+                "OTEL_TRACES_SAMPLER_ARG": ratio,
+            }
+            traced = stack.enter_context(
+                BenchProcess(
+                    name,
+                    [str(gateway_cmd), *gateway_argv[:4], str(port), *gateway_argv[5:]],
+                    core=0 if pin else None,
+                    env=_gateway_env(options, redis_url) | dict(options.settings) | tracing,
+                    inherit=False,
+                )
+            )
+            traced.wait_http(f"http://127.0.0.1:{port}/ready")
+            pids[name] = traced.pid
+            urls[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
     binary = nginx_binary()
     if options.nginx and binary is not None:
         nginx_port = free_port()
@@ -418,9 +472,9 @@ def start_targets(options: Options, stack: ExitStack) -> Targets:
 
 
 def _gateway_env(options: Options, redis_url: str | None) -> dict[str, str]:
-    """The gateway's whole environment: the caller's less its NEMOTRON_* settings (the run names its own), plus
-    the lean settings (or none: the defaults) and, with keys, the Redis to keep them in."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith("NEMOTRON_")}
+    """The gateway's whole environment: the caller's less its NEMOTRON_* and OTEL_* settings (the run names its own),
+    plus the lean settings (or none: the defaults) and, with keys, the Redis to keep them in."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("NEMOTRON_", "OTEL_"))}
     if options.lean:
         env |= LEAN_ENV
     if options.auth and redis_url is not None:
@@ -474,6 +528,12 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
         "`gateway` package, e.g. from `git archive REV gateway | tar -x -C DIR`); reported after this tree's",
     )
     parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also measure, in the same rounds, this tree's gateway with tracing on, sampled at 100 %% and at 1 %% "
+        "(exporting to an OTLP sink); reported after the gateway with tracing off",
+    )
+    parser.add_argument(
         "--setting",
         action="append",
         default=[],
@@ -507,6 +567,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
         lean=args.lean,
         baseline=args.baseline,
         settings=tuple(settings),
+        tracing=args.tracing,
     )
     return options, args.json
 
@@ -514,32 +575,43 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, Path | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m loadtest.overhead`."""
     options, json_path = parse_options(argv)
-    records = run(options)
-    rows, summary = summarize([r for r in records if r.target != BASELINE], options)
+    records, spans = run(options)
+    rows, summary = summarize([r for r in records if r.target == GATEWAY or r.target not in _GATEWAYS], options)
     sys.stdout.write(f"Gateway overhead ({options.label}) at {revision()}\n\n" + render(rows, summary, options))
     report: dict[str, Any] = {"revision": revision(), "options": _options_json(options), "summary": summary}
+    others = [r for r in records if r.target not in _GATEWAYS]
     if options.baseline is not None:
         # The baseline's records stand in for the gateway's: the same summary, in the same rounds.
-        others = [r for r in records if r.target not in _GATEWAYS]
-        as_gateway = [_as_gateway(r) for r in records if r.target == BASELINE]
+        as_gateway = [_as_gateway(r, BASELINE) for r in records if r.target == BASELINE]
         base_rows, report["baseline_summary"] = summarize(others + as_gateway, options)
         sys.stdout.write(
             f"\nBaseline {options.baseline}, same rounds\n\n" + render(base_rows, report["baseline_summary"], options)
         )
+    if options.tracing:
+        report["tracing"] = {}
+        for name, ratio in TRACED.items():
+            as_traced = [_as_gateway(r, name) for r in records if r.target == name]
+            traced_rows, traced = summarize(others + as_traced, options)
+            report["tracing"][name] = {"ratio": float(ratio), "summary": traced, "spans": spans.get(name, {})}
+            sys.stdout.write(
+                f"\nTracing on, sampled at {float(ratio):.0%}, same rounds (spans {spans.get(name)})\n\n"
+                + render(traced_rows, traced, options)
+            )
     if json_path is not None:
         report["records"] = records_json(records)
         json_path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return 0
 
 
-def _as_gateway(record: PhaseRecord) -> PhaseRecord:
-    """A baseline phase as the gateway's: its target and its CPU counters under the gateway's name."""
+def _as_gateway(record: PhaseRecord, name: str) -> PhaseRecord:
+    """A phase of another gateway (`name`: the baseline, a traced one) as the gateway's: its target and its CPU
+    counters under the gateway's name."""
     return replace(
         record,
         target=GATEWAY,
-        cpu_s={**record.cpu_s, GATEWAY: record.cpu_s[BASELINE]},
-        sys_s={**record.sys_s, GATEWAY: record.sys_s[BASELINE]},
-        wait_s={**record.wait_s, GATEWAY: record.wait_s[BASELINE]},
+        cpu_s={**record.cpu_s, GATEWAY: record.cpu_s[name]},
+        sys_s={**record.sys_s, GATEWAY: record.sys_s[name]},
+        wait_s={**record.wait_s, GATEWAY: record.wait_s[name]},
     )
 
 

@@ -6,6 +6,7 @@ benchmark shows, with the commit and date of the run and the command that reprod
 
 Kinds and what they read:
   overhead FILE...   the `--json` reports of `python -m loadtest.overhead` (`make bench` writes two: default, lean)
+  tracing FILE       the `--json` report of `python -m loadtest.overhead --tracing` (off, 100 %, 1 %; `make bench`)
   sweep FILE...      sweep.json of `loadtest/gpu/run bench`, one or several calls of one run, in order
   apis FILE...       sweep.json of a `loadtest/gpu/run bench` with a Responses API point (RESPONSES_C): every API's
                      points, for the table of each API through the gateway against direct
@@ -25,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 SUMMARIES = Path(__file__).resolve().parent / "summaries"
-BENCHMARKS = ("overhead", "gpu-sweep", "gpu-apis", "priority", "overload", "soak", "idle")
+BENCHMARKS = ("overhead", "tracing", "gpu-sweep", "gpu-apis", "priority", "overload", "soak", "idle")
 COMMANDS = {
     "overhead": "make bench",
+    "tracing": "make bench",
     "gpu-sweep": "loadtest/gpu/run bench",
     "gpu-apis": "CONCURRENCY=64 RESPONSES_C=64 SPLIT=0 loadtest/gpu/run bench",
     "priority": "loadtest/gpu/run priority",
@@ -88,6 +90,17 @@ def overhead_config(name: str, report: dict[str, Any]) -> dict[str, Any]:
         "chunk_ratio_of_medians": targets.get("gateway_vs_nginx_per_chunk_of_medians", [None])[0],
         "waited_for_cpu": max(v["gateway_run_queue_wait"] for v in s.values() if "gateway_run_queue_wait" in v),
     }
+
+
+def tracing_configs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Tracing off, then each traced gateway of one `--tracing` report: its figures and the spans it exported and
+    dropped (none for tracing off)."""
+    configs = [overhead_config("tracing off", report) | {"spans_exported": None, "spans_dropped": None}]
+    for traced in report["tracing"].values():
+        config = overhead_config(f"tracing on, sampled at {traced['ratio']:.0%}", {"summary": traced["summary"]})
+        spans = traced.get("spans") or {}
+        configs.append(config | {"spans_exported": spans.get("exported"), "spans_dropped": spans.get("dropped")})
+    return configs
 
 
 def sweep_points(sweeps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -170,7 +183,7 @@ def _load(path: Path) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """Write the summary of one run; print its path."""
     parser = argparse.ArgumentParser(prog="python -m loadtest.summary", description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=("overhead", "sweep", "apis", "priority", "soak", "idle"))
+    parser.add_argument("kind", choices=("overhead", "tracing", "sweep", "apis", "priority", "soak", "idle"))
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--commit", help="the commit measured (default: the reports' revision, else HEAD's)")
     parser.add_argument("--date", default=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"))
@@ -186,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = ["lean" if report["options"].get("lean") else "default settings" for report in reports]
         data = {"configs": [overhead_config(name, report) for name, report in zip(names, reports, strict=True)]}
         entries.append(("overhead", data))
+    elif args.kind == "tracing":
+        report = _load(args.files[0])
+        commit = commit or report["revision"]
+        entries.append(("tracing", {"configs": tracing_configs(report)}))
     elif args.kind == "sweep":
         sweeps = [_load(path) for path in args.files]
         entries.append(("gpu-sweep", {"label": sweeps[0].get("label", ""), "points": sweep_points(sweeps)}))

@@ -95,6 +95,32 @@ def _overhead(data: dict[str, Any]) -> list[str]:
     return _table(header, rows)
 
 
+def _tracing(data: dict[str, Any]) -> list[str]:
+    header = [
+        "gateway (default settings)",
+        "CPU ms a non-stream request, c=32",
+        "req/s on one core, c=32",
+        "CPU ms a request at c=1 (added p50 ms)",
+        "CPU µs a relayed chunk",
+        "spans exported (dropped)",
+    ]
+    rows = []
+    for c in data["configs"]:
+        exported, dropped = c["spans_exported"], c["spans_dropped"]
+        spans = _NONE if exported is None else f"{_num(exported, 0)} ({_num(dropped, 0)})"
+        rows.append(
+            [
+                c["name"],
+                _num(c["cpu_ms_per_request"], 3),
+                _num(c["rps"], 0),
+                f"{_num(c['cpu_ms_per_request_c1'], 3)} ({_num(c['added_p50_ms_c1'], 3)})",
+                _num(c["us_per_chunk"]),
+                spans,
+            ]
+        )
+    return _table(header, rows)
+
+
 def _pairings(points: list[dict[str, Any]]) -> dict[int, list[tuple[dict[str, Any], dict[str, Any], str]]]:
     """Per concurrency, each (direct, gateway, who went first) of the judged chat points, in run order."""
     judged = [p for p in points if p["api"] == "chat" and not p["check"] and not p["cut"] and p["ok"]]
@@ -298,6 +324,7 @@ def _idle(data: dict[str, Any]) -> list[str]:
 
 _RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "overhead": _overhead,
+    "tracing": _tracing,
     "gpu-sweep": _gpu_sweep,
     "gpu-apis": _gpu_apis,
     "priority": _priority,
