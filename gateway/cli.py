@@ -25,7 +25,8 @@ from gateway import __version__
 from gateway.engine.flags import add_engine_arguments, engine_overrides
 from gateway.http.workers import usable_cores
 from gateway.metrics.multiprocess import shared_metrics
-from gateway.settings import Settings, unknown_variables
+from gateway.settings import Settings, otel_variables, unknown_variables
+from gateway.tracing.otlp import OtlpConfigError, OtlpTraces
 
 logger = logging.getLogger("gateway")
 
@@ -211,6 +212,10 @@ _VERB_RUNNERS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
 }
 
 
+# The verbs that start the gateway or the engine, and so read the OTEL_* variables (tracing).
+_TRACED_VERBS = frozenset(("serve", "engine", "up"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `nemotron-gateway` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -245,7 +250,9 @@ def _run_verb(args: argparse.Namespace) -> int:
         sys.stderr.write(f"nemotron-gateway: warning: {warning}\n")
     try:
         settings = load_settings(args)
-    except (ValidationError, SettingsError) as exc:
+        if args.verb in _TRACED_VERBS:
+            OtlpTraces.from_variables(otel_variables())  # a bad OTEL_* value is named here, before anything starts
+    except (ValidationError, SettingsError, OtlpConfigError) as exc:
         sys.stderr.write(f"nemotron-gateway: invalid configuration:\n{exc}\n")
         return 2
     configure_logging(settings.log_level)

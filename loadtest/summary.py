@@ -93,14 +93,21 @@ def overhead_config(name: str, report: dict[str, Any]) -> dict[str, Any]:
 
 
 def tracing_configs(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Tracing off, then each traced gateway of one `--tracing` report: its figures and the spans it exported and
-    dropped (none for tracing off)."""
-    configs = [overhead_config("tracing off", report) | {"spans_exported": None, "spans_dropped": None}]
+    """Tracing off, then each traced gateway of one `--tracing` report: its figures, its p99 latency at the highest
+    concurrency, and the spans it exported and dropped (none for tracing off)."""
+    off = {"spans_exported": None, "spans_dropped": None, "p99_ms": _saturation_p99(report["summary"])}
+    configs = [overhead_config("tracing off", report) | off]
     for traced in report["tracing"].values():
         config = overhead_config(f"tracing on, sampled at {traced['ratio']:.0%}", {"summary": traced["summary"]})
         spans = traced.get("spans") or {}
-        configs.append(config | {"spans_exported": spans.get("exported"), "spans_dropped": spans.get("dropped")})
+        config |= {"spans_exported": spans.get("exported"), "spans_dropped": spans.get("dropped")}
+        configs.append(config | {"p99_ms": _saturation_p99(traced["summary"])})
     return configs
+
+
+def _saturation_p99(summary: dict[str, Any]) -> float:
+    top = max(int(key.rpartition("=")[2]) for key in summary if key.startswith("non-stream c="))
+    return float(summary[f"non-stream c={top}"]["gateway_p99_ms"])
 
 
 def sweep_points(sweeps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanContext, TraceFlags
 
+from gateway import cli
 from gateway.engine.tracing import ENDPOINT_FLAG, with_tracing
 from gateway.metrics.instruments import GatewayMetrics
 from gateway.request_record import EngineErrorKind, RequestRecord
@@ -455,3 +456,13 @@ def test_the_engine_is_pointed_at_the_same_collector_only_when_tracing_is_on(mon
     assert with_tracing(Settings(), own, env) == (own, env)
     off = Settings(tracing=TracingSettings(engine=False))
     assert with_tracing(off, argv, env) == (argv, env)
+
+
+def test_a_bad_otel_variable_stops_serve_and_the_engine_before_they_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    for verb in (["serve"], ["engine"], ["up"]):
+        assert cli.main([*verb, "--port", "1"] if verb == ["serve"] else verb) == 2
+        assert "OTLP protocol 'grpc'" in capsys.readouterr().err
