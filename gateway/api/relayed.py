@@ -121,7 +121,8 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         request, prepared, await _admit(services, key, prepared, lease, record)
     )
     if trace is not None:
-        trace.sending(engine_headers, time.perf_counter(), prepared.max_tokens, engine_body)
+        sent_at = time.perf_counter()
+        trace.sending(engine_headers, sent_at, prepared.max_tokens, engine_body, generates=prepared.generates)
     return await services.relay.forward(
         Exchange(
             api.path,

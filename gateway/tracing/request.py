@@ -91,6 +91,7 @@ class RequestTrace:
     __slots__ = (
         "_destination",
         "_finish_reasons",
+        "_generates",
         "_input",
         "_max_tokens",
         "_output",
@@ -132,6 +133,7 @@ class RequestTrace:
         self._wall_anchor, self._perf_anchor = anchors
         self._sent_at: float | None = None
         self._max_tokens: int | None = None
+        self._generates = True
         self._finish_reasons: list[str] = []
         self._response_id: str | None = None
         self._response_model: str | None = None
@@ -148,13 +150,23 @@ class RequestTrace:
         flags = "01" if self.recording else "00"
         return f"00-{self.trace_id:032x}-{self.engine_span_id:016x}-{flags}"
 
-    def sending(self, headers: MutableMapping[str, str], sent_at: float, max_tokens: int | None, body: bytes) -> None:
-        """The engine request is about to go out at `sent_at` (admitted): its headers get the trace context."""
+    def sending(
+        self,
+        headers: MutableMapping[str, str],
+        sent_at: float,
+        max_tokens: int | None,
+        body: bytes,
+        *,
+        generates: bool = True,
+    ) -> None:
+        """The engine request is about to go out at `sent_at` (admitted): its headers get the trace context. One that
+        `generates` nothing (Anthropic's token count) is no GenAI operation."""
         headers["traceparent"] = self.traceparent
         if self.trace_state:
             headers["tracestate"] = self.trace_state.to_header()
         self._sent_at = sent_at
         self._max_tokens = max_tokens
+        self._generates = generates
         if self._output is not None:
             self._input = body
 
@@ -293,7 +305,7 @@ class RequestTrace:
         }
         if record.route is not None:
             attributes["http.route"] = record.route
-        operation = _OPERATIONS.get(record.api or "")
+        operation = _OPERATIONS.get(record.api or "") if self._generates else None
         if operation is not None:
             attributes["gen_ai.operation.name"], attributes["gen_ai.provider.name"] = operation
         if record.api is not None:

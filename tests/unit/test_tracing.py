@@ -275,6 +275,14 @@ def test_each_api_names_its_operation_and_finish_reason() -> None:
     assert attributes["gen_ai.response.id"] == "msg_1"
 
 
+def test_a_token_count_is_no_genai_operation() -> None:
+    trace = tracer().begin({})
+    trace.sending({}, ms(3), None, b"{}", generates=False)
+    record = finished_record(api="messages", route="/v1/messages/count_tokens", completion_tokens=None)
+    server = decoded(trace.spans(record, 200, ms(5)))[0]
+    assert server.name == "POST /v1/messages/count_tokens" and "gen_ai.operation.name" not in server.attributes
+
+
 def test_a_refused_request_has_no_engine_span_and_says_why() -> None:
     trace = tracer().begin({})
     record = finished_record(engine_connected_at=None, engine_answered_at=None, first_chunk_at=None, cause="tokens")
