@@ -17,14 +17,16 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from gateway import cli
 from gateway.engine.tracing import ENDPOINT_FLAG, with_tracing
+from gateway.http.middleware import RequestContextMiddleware
 from gateway.metrics.instruments import GatewayMetrics
 from gateway.request_record import EngineErrorKind, RequestRecord
-from gateway.settings import Settings, TracingSettings
+from gateway.settings import HttpSettings, Settings, TracingSettings
 from gateway.tracing.content import OutputText, input_attributes
 from gateway.tracing.export import LogThrottle, SpanBatcher
 from gateway.tracing.otlp import OtlpConfigError, OtlpTraces
 from gateway.tracing.request import RequestTrace
 from gateway.tracing.tracer import Tracer
+from gateway.types import Message, Send
 from tests.otlp import Receiver, Span
 
 pytestmark = pytest.mark.timeout(10)
@@ -474,3 +476,60 @@ def test_a_bad_otel_variable_stops_serve_and_the_engine_before_they_start(
     for verb in (["serve"], ["engine"], ["up"]):
         assert cli.main([*verb, "--port", "1"] if verb == ["serve"] else verb) == 2
         assert "OTLP protocol 'grpc'" in capsys.readouterr().err
+
+
+# --- the middleware: the trace id in the access line, the spans after the last byte ---
+
+
+class Ended:
+    """A request trace that only notes when it was ended."""
+
+    trace_id = int(CLIENT_TRACE, 16)
+    recording = True
+    marks = ()
+
+    def __init__(self, wire: list[str]) -> None:
+        self.wire = wire
+        self.ended: tuple[int, float] | None = None
+
+    def read(self, event: dict[str, Any]) -> None:
+        pass
+
+    def end(self, record: RequestRecord, status: int, ended_at: float) -> None:
+        self.wire.append("spans built")
+        self.ended = (status, ended_at)
+
+
+async def test_the_spans_are_built_once_the_last_byte_is_out_and_the_access_line_names_the_trace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    wire: list[str] = []
+    trace = Ended(wire)
+
+    async def answer(scope: dict[str, Any], receive: object, send: Send) -> None:
+        scope["state"]["record"].trace = trace
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    async def sent(message: Message) -> None:
+        wire.append(message["type"])
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    for log_format in ("text", "json"):
+        wire.clear()
+        middleware = RequestContextMiddleware(
+            answer,
+            GatewayMetrics(),
+            routes=frozenset({"/v1/chat/completions"}),
+            http=HttpSettings(),
+            log_format=log_format,
+        )
+        scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST", "headers": []}
+        with caplog.at_level(logging.INFO, logger="gateway.access"):
+            await middleware(scope, receive, sent)
+        assert wire == ["http.response.start", "http.response.body", "spans built"]
+        assert trace.ended is not None and trace.ended[0] == 200
+        line = caplog.records[-1].getMessage()
+        assert (f'"trace_id":"{CLIENT_TRACE}"' if log_format == "json" else f" trace={CLIENT_TRACE}") in line
