@@ -131,7 +131,11 @@ def engine_server_pid(group: int) -> int:
 async def test_engine_sigkill_with_streams_open(up_stack: UpStack, figures: Figures, target: str) -> None:
     """`group`: every process of the engine at once (the guard too); `server`: vllm serve alone (an OOM kill)."""
     url = f"{up_stack.url}/v1/chat/completions"
-    group = os.getpgid(int(str(status(up_stack.state_dir)["engine_pid"])))
+    # An earlier test's engine restart may still be under way: its status names no engine until it has one.
+    engine_pid = await async_wait_until(
+        lambda: status(up_stack.state_dir).get("engine_pid"), within=60, message="no engine in the status file"
+    )
+    group = os.getpgid(int(str(engine_pid)))
     held = shared_memory_of(group_members(group))
     assert held, "the fake engine's helper holds a /dev/shm file, as vLLM's EngineCore does"
     baseline = in_flight(up_stack.url)
@@ -174,7 +178,11 @@ async def test_engine_sigkill_with_streams_open(up_stack: UpStack, figures: Figu
 @pytest.mark.perf
 async def test_a_killed_engine_is_refused_promptly(up_stack: UpStack) -> None:
     url = f"{up_stack.url}/v1/chat/completions"
-    group = os.getpgid(int(str(status(up_stack.state_dir)["engine_pid"])))
+    # An earlier test's engine restart may still be under way: its status names no engine until it has one.
+    engine_pid = await async_wait_until(
+        lambda: status(up_stack.state_dir).get("engine_pid"), within=60, message="no engine in the status file"
+    )
+    group = os.getpgid(int(str(engine_pid)))
     held = shared_memory_of(group_members(group))
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
