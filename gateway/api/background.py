@@ -31,7 +31,7 @@ from gateway.background import BackgroundTask, Backoff
 from gateway.errors import GatewayError, KeyStoreUnavailableError
 from gateway.ratelimit import RequestLease
 from gateway.relay.exchange import BufferedAnswer, Exchange
-from gateway.relay.shapes import RESPONSES
+from gateway.relay.shapes import RESPONSES, engine_message
 from gateway.request_record import RequestRecord
 from gateway.responses import ResponseStore
 from gateway.services import Services
@@ -44,8 +44,6 @@ CLAIM_TTL_MS = 15_000
 RENEW_INTERVAL = 3.0
 # How often each gateway looks for jobs whose run stopped.
 SWEEP_INTERVAL = 2.0
-_TERMINAL = frozenset(("completed", "incomplete", "failed", "cancelled"))
-_TERMINAL_EVENTS = frozenset(("response.completed", "response.incomplete", "response.failed", "error"))
 
 
 def failed(response: dict[str, Any], message: str, code: str = "server_error") -> dict[str, Any]:
@@ -104,7 +102,7 @@ class _EventLog:
         if isinstance(event.get("response"), dict):
             event["response"].update(self._fields)
             self.latest = event["response"]
-        if event.get("type") in _TERMINAL_EVENTS:
+        if event.get("type") in RESPONSES.end_types:
             self.ended = True
         return b"event: %s\ndata: %s" % (kind or str(event.get("type", "message")).encode(), orjson.dumps(event))
 
@@ -277,7 +275,7 @@ class BackgroundRuns:
         await answer({"type": "http"}, receive, log.send)
         _count_tokens(services, record)
         if isinstance(answer, BufferedAnswer) and answer.status != 200:
-            return failed(response, _error_message(answer.body))
+            return failed(response, engine_message(answer.status, answer.body))
         if record.response is not None:
             return record.response
         if log.latest is not None and log.ended:
@@ -355,11 +353,3 @@ def _count_tokens(services: Services, record: RequestRecord) -> None:
         metrics.api_tokens.labels("responses", "completion").inc(completion)
     if reasoning is not None:
         metrics.api_tokens.labels("responses", "reasoning").inc(reasoning)
-
-
-def _error_message(body: bytes) -> str:
-    try:
-        parsed = orjson.loads(body)
-        return str(parsed["error"]["message"])
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return "The model engine refused the request."

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Response ids are `resp_` and letters, digits, `_` or `-`; anything else is not one and never reaches Redis.
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-_UNFINISHED = ("queued", "in_progress")
+# The statuses of a background response still being made.
+UNFINISHED = ("queued", "in_progress")
 
 
 def owner_of(key: ApiKey | None) -> str:
@@ -162,7 +163,7 @@ async def begin_turn(request: Request, key: ApiKey | None, body: bytes) -> Turn:
             )
         raise InvalidRequestError(message, param="previous_response_id") from None
     status = links[-1][1].get("status")
-    if status in _UNFINISHED:
+    if status in UNFINISHED:
         raise InvalidRequestError(
             f"Response {previous[:80]!a} is {status}; continue it once it is finished.", param="previous_response_id"
         )

@@ -19,11 +19,12 @@ import orjson
 from fastapi import Request
 
 from gateway.api.context import get_background, get_record, get_services, require_api_key
-from gateway.api.conversation import checked_id, not_found, owner_of
+from gateway.api.conversation import UNFINISHED, checked_id, not_found, owner_of
 from gateway.errors import InvalidRequestError
 from gateway.ratelimit import RequestLease
 from gateway.relay.disconnect import ClientDisconnectedError, run_until_disconnect
 from gateway.relay.exchange import BufferedAnswer
+from gateway.relay.shapes import RESPONSES
 from gateway.relay.sse import KEEP_ALIVE, SSE_HEADERS
 from gateway.responses import ResponseStore, StoredResponse
 from gateway.types import ASGIApp, Receive, Scope, Send
@@ -32,7 +33,6 @@ from gateway.types import ASGIApp, Receive, Scope, Send
 # follower sends a keep-alive.
 _FOLLOW_INTERVAL = 0.2
 _KEEP_ALIVE_AFTER = 10.0
-_UNFINISHED = ("queued", "in_progress")
 _MAX_LIST = 100
 
 
@@ -125,7 +125,7 @@ async def cancel(request: Request) -> ASGIApp:
         if lease is not None:
             await lease.release(0, get_record(request))
         raise InvalidRequestError("Only a background response can be cancelled.", param="response_id")
-    if response.get("status") in _UNFINISHED:
+    if response.get("status") in UNFINISHED:
         await store.request_cancel(response["id"])
         get_background(request).cancel(response["id"])
         response = {**response, "status": "cancelled"}
@@ -220,7 +220,7 @@ async def _follow(store: ResponseStore, response_id: str, owner: str, start: int
             continue
         stored = await store.get(response_id, owner)
         status = stored.response.get("status") if stored is not None else None
-        if status not in _UNFINISHED:
+        if status not in UNFINISHED:
             if stored is not None and status == "failed":
                 # Failed before the engine answered: no terminal event of its own.
                 end = {"type": "response.failed", "response": stored.response}
@@ -235,10 +235,6 @@ async def _follow(store: ResponseStore, response_id: str, owner: str, start: int
 
 
 def _ends(event: bytes) -> bool:
+    # An event as `_EventLog` keeps it: `event: <type>` on its first line.
     head = event.split(b"\n", 1)[0]
-    return head in (
-        b"event: response.completed",
-        b"event: response.incomplete",
-        b"event: response.failed",
-        b"event: error",
-    )
+    return head.startswith(b"event: ") and head[7:].decode("utf-8", "replace") in RESPONSES.end_types

@@ -80,6 +80,11 @@ def _engine_message(status: int, body: bytes, parsed: Any) -> str:
     return f"The model engine answered HTTP {status}: {detail}"
 
 
+def engine_message(status: int, body: bytes) -> str:
+    """What the engine said in an error answer of `status` (whatever its envelope), as one message."""
+    return _engine_message(status, body, _parsed(body))
+
+
 def _engine_openai_body(status: int, body: bytes) -> bytes:
     """The engine's error answer in OpenAI's envelope: kept when it already is one (not Anthropic's, which has a
     top-level `type`), else wrapped."""
