@@ -41,12 +41,14 @@ def _response_id(request: Request) -> str:
     return checked_id(request.url.path.split("/")[3])
 
 
-def _whole_number(request: Request, name: str, most: int) -> int | None:
+def _whole_number(request: Request, name: str, most: int, least: int = 0) -> int | None:
     value = request.query_params.get(name)
     if value is None:
         return None
-    if not (value.isascii() and value.isdigit() and len(value) <= 18) or int(value) > most:
-        raise InvalidRequestError(f"'{name}' is {value[:40]!a}; send a whole number from 0 to {most}.", param=name)
+    if not (value.isascii() and value.isdigit() and len(value) <= 18) or not least <= int(value) <= most:
+        raise InvalidRequestError(
+            f"'{name}' is {value[:40]!a}; send a whole number from {least} to {most}.", param=name
+        )
     return int(value)
 
 
@@ -151,9 +153,7 @@ def _listed_item(response_id: str, index: int, item: dict[str, Any]) -> dict[str
 async def input_items(request: Request) -> ASGIApp:
     """GET /v1/responses/{id}/input_items: the response's own input items, paged as OpenAI pages them (`limit` 1 to
     100, default 20; `order` desc by default; `after` an item id)."""
-    limit = _whole_number(request, "limit", _MAX_LIST)
-    if limit == 0:
-        raise InvalidRequestError(f"'limit' is 0; send a whole number from 1 to {_MAX_LIST}.", param="limit")
+    limit = _whole_number(request, "limit", _MAX_LIST, least=1)
     order = _choice(request, "order", ("asc", "desc"), "desc")
     after = request.query_params.get("after")
     stored, _store, _owner, lease = await _stored(request)

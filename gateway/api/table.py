@@ -151,6 +151,11 @@ class RouteTable:
     def refusal(self, method: str, path: str) -> GatewayError:
         """Why `method path` is not served: 405 (with Allow) on a served path, else 404."""
         methods = self._methods.get(path)
+        if methods is None:
+            # A path with an id (`/v1/responses/{id}`) is served by its template's methods.
+            parts = path.split("/")
+            found = [r.method for r, t in self._templates if _matches(t, parts)]
+            methods = found or None
         # Only printable, bounded text from the client goes back into the message.
         shown = ascii(path[:200])[1:-1]
         if methods is not None:

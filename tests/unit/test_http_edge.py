@@ -155,3 +155,10 @@ async def test_forwarded_for_from_a_trusted_peer_is_taken_only_when_it_is_an_add
 
 async def test_forwarded_for_from_an_untrusted_peer_is_ignored() -> None:
     assert await _forwarded(("198.51.100.2", 5000), b"203.0.113.7") == ("198.51.100.2", 5000)
+
+
+def test_a_wrong_method_on_a_path_with_an_id_is_a_405_naming_its_templates_methods() -> None:
+    wrong = RouteTable().refusal("PUT", "/v1/responses/resp_abc")
+    assert isinstance(wrong, MethodNotAllowedError)
+    assert wrong.headers == {"Allow": "GET, DELETE"}
+    assert isinstance(RouteTable().refusal("PUT", "/v1/responses/resp_abc/nothing"), RouteNotFoundError)
