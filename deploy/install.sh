@@ -25,6 +25,7 @@ UNIT_DIR=/etc/systemd/system
 MODELS=/srv/models
 USER_NAME=nemotron
 UNITS=(nemotron-engine.service nemotron-gateway.socket nemotron-gateway.service)
+TEMPLATE_UNIT=nemotron-engine@.service
 WHEELHOUSE=""
 EXTRA=auto
 START=no
@@ -60,6 +61,12 @@ fi
 uninstall() {
     say "stopping and disabling ${UNITS[*]}"
     systemctl disable --now "${UNITS[@]}" 2>/dev/null || true
+    # Every instance of the per-replica template, enabled or running.
+    systemctl stop "nemotron-engine@*.service" 2>/dev/null || true
+    for link in "$UNIT_DIR"/*.wants/nemotron-engine@*.service; do
+        [[ -e $link || -L $link ]] && systemctl disable "$(basename "$link")" 2>/dev/null || true
+    done
+    rm -f "$UNIT_DIR/$TEMPLATE_UNIT"
     for unit in "${UNITS[@]}"; do
         rm -f "$UNIT_DIR/$unit"
     done
@@ -200,6 +207,10 @@ install_units() {
         chmod 0644 "$UNIT_DIR/$unit.new"
         mv "$UNIT_DIR/$unit.new" "$UNIT_DIR/$unit"
     done
+    # The per-replica template (several engine replicas on one host) is installed, not enabled: see its header.
+    sed "s#/opt/nemotron-gateway/#$PREFIX/#g" "$HERE/systemd/$TEMPLATE_UNIT" >"$UNIT_DIR/$TEMPLATE_UNIT.new"
+    chmod 0644 "$UNIT_DIR/$TEMPLATE_UNIT.new"
+    mv "$UNIT_DIR/$TEMPLATE_UNIT.new" "$UNIT_DIR/$TEMPLATE_UNIT"
     systemctl daemon-reload
     systemctl enable --quiet "${UNITS[@]}"
     if [[ -d /etc/nginx/sites-available ]]; then

@@ -21,7 +21,7 @@ from gateway.api.validation import param_path
 from gateway.errors import GatewayError, InternalError, InvalidRequestError
 from gateway.http.middleware import ForwardedClientMiddleware, RequestContextMiddleware
 from gateway.metrics.instruments import GatewayMetrics
-from gateway.relay.readiness import SharedEngineState
+from gateway.relay.readiness import SharedPoolState
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.types import Receive, Scope, Send
@@ -106,11 +106,11 @@ class _Dispatcher:
         await response(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, shared: SharedEngineState | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, shared: SharedPoolState | None = None) -> FastAPI:
     """Build the gateway app; `settings` defaults to the environment (and env file). `shared`: the engine view this
     process shares with the other workers of its gateway (made before they were forked), else one of its own."""
     settings = settings or Settings()
-    engine_view = shared or SharedEngineState()
+    engine_view = shared or SharedPoolState()
     gateway_metrics = GatewayMetrics(per_key=settings.metrics.per_key)
 
     @asynccontextmanager

@@ -43,6 +43,7 @@ _VERB_MODULES = {
     "up": "gateway.supervisor.cli",
     "keys": "gateway.auth.cli",
     "doctor": "gateway.doctor",
+    "replicas": "gateway.pool.cli",
 }
 # One line per verb for `--help`; a verb's own flags are declared only when it is the one given.
 _VERB_HELP = {
@@ -52,6 +53,7 @@ _VERB_HELP = {
     "demo-model": "write a tiny random-weight Nemotron model and tokenizer (a checkout with the cpu or gpu extra)",
     "doctor": "preflight checks of the GPU, host, model directory and Redis",
     "up": "engine supervisor and gateway together, in the foreground",
+    "replicas": "list, drain, restore and restart (rolling) the engine replicas",
 }
 
 
@@ -119,6 +121,10 @@ def _add_up(verbs: Any) -> None:
     _add_common(up)
 
 
+def _add_replicas(verbs: Any) -> None:
+    _verb_module("replicas").add_replicas_parser(verbs, _add_common)
+
+
 _VERB_PARSERS: dict[str, Callable[[Any], None]] = {
     "serve": _add_serve,
     "engine": _add_engine,
@@ -126,6 +132,7 @@ _VERB_PARSERS: dict[str, Callable[[Any], None]] = {
     "demo-model": _add_demo_model,
     "doctor": _add_doctor,
     "up": _add_up,
+    "replicas": _add_replicas,
 }
 
 
@@ -209,6 +216,7 @@ _VERB_RUNNERS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
     "keys": lambda args, settings: int(_verb_module("keys").run_keys(args, settings)),
     "doctor": lambda args, settings: int(_verb_module("doctor").run_doctor(args, settings)),
     "up": lambda args, settings: int(_verb_module("up").run_up(settings, args.env_file)),
+    "replicas": lambda args, settings: int(_verb_module("replicas").run_replicas(args, settings)),
 }
 
 

@@ -93,6 +93,9 @@ class RequestRecord:
     response: dict[str, Any] | None = None
     # The key's priority as admitted (lower is sooner).
     priority: int | None = None
+    # The replica that answered (its URL), and how it was picked (affinity, spill, least_loaded, failover, ...).
+    replica: str | None = None
+    routed: str | None = None
     # Marks on the clock of `started_at`, for the request's trace: the key checked, the body read and prepared, the
     # engine connection in hand, its answer's head read, the exchange settled (the answer's last byte, or its end).
     key_checked_at: float | None = None

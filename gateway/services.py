@@ -15,14 +15,11 @@ from redis.exceptions import RedisError
 from gateway.auth import KeyStore
 from gateway.metrics.exposition import Exposition
 from gateway.metrics.instruments import GatewayMetrics
-from gateway.ratelimit import EngineAdmission, FailedAuthGuard, RedisRateLimiter
+from gateway.pool.pool import ReplicaPool
+from gateway.ratelimit import FailedAuthGuard, RedisRateLimiter
 from gateway.redis import close_redis, connect_redis
-from gateway.relay.activity import EngineActivity
-from gateway.relay.client import EngineClient
 from gateway.relay.exchange import EngineRelay
-from gateway.relay.monitor import EngineMonitor
-from gateway.relay.readiness import SharedEngineState
-from gateway.relay.served_model import ModelOverrides
+from gateway.relay.readiness import SharedPoolState
 from gateway.responses import ResponseStore
 from gateway.settings import Settings
 from gateway.tracing.tracer import Tracer
@@ -39,48 +36,32 @@ class Services:
 
     settings: Settings
     metrics: GatewayMetrics
-    engine: EngineClient
-    monitor: EngineMonitor
+    pool: ReplicaPool
     relay: EngineRelay
     redis: redis_asyncio.Redis
     keys: KeyStore
     responses: ResponseStore
     limiter: RedisRateLimiter
-    admission: EngineAdmission
     guard: FailedAuthGuard
     exposition: Exposition
     tracer: Tracer | None = None  # None: tracing is off (no OTEL_EXPORTER_OTLP_ENDPOINT)
 
     @classmethod
-    def build(cls, settings: Settings, metrics: GatewayMetrics, shared: SharedEngineState) -> Services:
-        """Construct (nothing is connected until `start`); `shared` is the gateway's one view of the engine, which
+    def build(cls, settings: Settings, metrics: GatewayMetrics, shared: SharedPoolState) -> Services:
+        """Construct (nothing is connected until `start`); `shared` is the gateway's one view of its replicas, which
         every worker process of it shares."""
-        engine = EngineClient(settings)
-        activity = EngineActivity(shared)
         redis = connect_redis(settings)
-        admission = EngineAdmission(redis, settings, metrics)
-        monitor = EngineMonitor(
-            engine,
-            settings.relay,
-            metrics,
-            activity,
-            state_dir=settings.engine.state_dir,
-            overrides=ModelOverrides(settings.model_name, settings.context_length),
-            load_observer=admission.observe,
-        )
         return cls(
             settings=settings,
             metrics=metrics,
-            engine=engine,
-            monitor=monitor,
-            relay=EngineRelay(engine, monitor, activity, settings.relay, metrics),
+            pool=ReplicaPool(settings, metrics, redis, shared),
+            relay=EngineRelay(settings.relay, metrics),
             redis=redis,
             keys=KeyStore(redis, settings, metrics),
             responses=ResponseStore(redis, settings, metrics),
             limiter=RedisRateLimiter(redis, settings, metrics),
-            admission=admission,
             guard=FailedAuthGuard(redis, settings, metrics),
-            exposition=Exposition(settings, metrics, engine),
+            exposition=Exposition(settings, metrics),
             tracer=Tracer.from_settings(settings, metrics),
         )
 
@@ -101,8 +82,7 @@ class Services:
         """What `start` starts, in order, each with what stops it."""
         parts: list[tuple[Start, Stop]] = [
             *([(self.tracer.start, self.tracer.stop)] if self.tracer is not None else []),
-            (self.engine.start, self.engine.stop),
-            (self.monitor.start, self.monitor.stop),
+            (self.pool.start, self.pool.stop),
             (self._check_redis_at_start, _nothing),
         ]
         if self.settings.auth.enabled:
@@ -128,8 +108,7 @@ class Services:
         await self.guard.stop()
         await self.keys.stop()
         await self.limiter.stop()
-        await self.monitor.stop()
-        await self.engine.stop()
+        await self.pool.stop()
         if self.tracer is not None:
             await self.tracer.stop()
         await self._close_pools()

@@ -206,8 +206,8 @@ class RateLimitSettings(_Group):
     usage_retention_days: int = Field(
         400,
         ge=1,
-        description="Days the per-key daily usage counters (requests and tokens by API, for billing) are kept in "
-        "Redis.",
+        description="Days the per-key daily usage counters (requests and tokens by API and model, for billing) are "
+        "kept in Redis.",
     )
     # Token budgets (per key, daily and monthly): their windows and what a key without its own budget gets.
     budget_timezone: str = Field(
@@ -381,9 +381,40 @@ class EngineSettings(_Group):
         9101, ge=0, le=65535, description="Port on 127.0.0.1 for the supervisor's Prometheus metrics (0: off)."
     )
     log_lines: int = Field(200, ge=10, description="Engine output lines kept to show when start-up fails.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Managed engine replicas on this host, each a `vllm serve` of the same model with its own GPUs "
+        "(one tensor-parallel group each), port (`port` + its index), status and restarts; the gateway routes "
+        "across them.",
+    )
+    replica: int | None = Field(
+        None,
+        ge=0,
+        description="Run only this replica (its index, from 0): one systemd instance per replica "
+        "(`nemotron-engine@<index>`). Unset: the supervisor runs every one of `replicas`.",
+    )
     run_doctor: bool = Field(
         True, description="Run the fatal preflight checks before spawning the engine (vLLM's verdict beside its start)."
     )
+
+    def replica_port(self, index: int) -> int:
+        """The port of managed replica `index` on 127.0.0.1."""
+        return self.port + index
+
+    def replica_state_dir(self, index: int) -> Path:
+        """Where managed replica `index`'s supervisor writes its status: `state_dir` for the first, a folder of its
+        own inside it for the others."""
+        return self.state_dir if index == 0 else self.state_dir / f"replica-{index}"
+
+    @model_validator(mode="after")
+    def _replica_in_range(self) -> EngineSettings:
+        if self.replica is not None and self.replica >= self.replicas:
+            raise ValueError(
+                f"replica {self.replica} is not one of the {self.replicas} replicas (0 to {self.replicas - 1})"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -500,6 +531,62 @@ class MetricsSettings(_Group):
     engine_timeout: float = Field(5.0, gt=0, description="Seconds the engine's /metrics may take for one scrape.")
 
 
+class RoutingSettings(_Group):
+    """How a request is given to one replica of its model (`NEMOTRON_ROUTING__<FIELD>`).
+
+    `affinity` sends the turns of one conversation (the same key and leading messages, the same stored-response
+    chain, or the same session header) to the replica whose prefix cache holds them, by rendezvous hashing, and
+    spills to the least loaded replica when that one is past `spill_load`; `least_loaded` sends each request to the
+    replica with the least outstanding work; `round_robin` takes them in turn (a baseline for benchmarks).
+    """
+
+    picker: Literal["affinity", "least_loaded", "round_robin"] = Field(
+        "affinity", description="The picker of every model not named in `pickers`."
+    )
+    pickers: dict[str, Literal["affinity", "least_loaded", "round_robin"]] = Field(
+        default_factory=dict, description='A picker per served model name (JSON object: {"nemotron-super": ...}).'
+    )
+    spill_load: float = Field(
+        2.0,
+        ge=1,
+        description="Affinity spills a request to the least loaded replica when the preferred one's outstanding "
+        "requests exceed this many times the least loaded one's (plus `spill_slack`).",
+    )
+    spill_slack: int = Field(
+        4, ge=0, description="Outstanding requests the preferred replica may carry beyond the least loaded one's."
+    )
+    prefix_chars: int = Field(
+        2048,
+        ge=64,
+        description="Bytes of each of a conversation's leading parts (its system prompt or instructions, and its "
+        "first turn) that its affinity is hashed from: conversations that agree that far share a replica, and its "
+        "prefix cache.",
+    )
+    session_header: str = Field(
+        "X-Session-Id",
+        min_length=1,
+        description="A request header naming a session: requests of one key with the same value go to one replica.",
+    )
+    failover: bool = Field(
+        True,
+        description="Try a request once on another replica of its model when its replica refuses or resets the "
+        "connection, or answers that its queue is full, before the first byte reaches the client.",
+    )
+    file_poll_interval: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds between two looks at `replicas_file` for a change; the drains (kept in Redis) are read "
+        "every third look.",
+    )
+    remote_scheduling: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="The scheduling policy of the replicas given by URL (`replicas`, `replicas_file`), whose launch "
+        "this host's supervisor does not see: `priority` when they run vLLM with `--scheduling-policy priority` (a "
+        "`-priority` profile), so that keys' priorities travel to them; under `fcfs` none is sent (vLLM refuses it). "
+        "A managed replica's policy is read from its supervisor's status.",
+    )
+
+
 class TracingSettings(_Group):
     """OpenTelemetry tracing (`NEMOTRON_TRACING__<FIELD>`): what the standard `OTEL_*` variables do not say.
 
@@ -543,6 +630,16 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port the gateway listens on.")
     engine_url: str = Field(
         "http://127.0.0.1:8001", description="Base URL of the OpenAI-compatible engine (vllm serve) on this machine."
+    )
+    replicas: tuple[str, ...] = Field(
+        (),
+        description="Further engine replicas by URL (JSON list), e.g. other GPU machines that run only the engine side "
+        "(`nemotron-engine`); each serves the model its /v1/models names.",
+    )
+    replicas_file: Path | None = Field(
+        None,
+        description="A file of further replicas, one URL a line (`#` comments), watched: a replica added or removed "
+        "there joins or leaves the pool within `routing.file_poll_interval` seconds, without a restart.",
     )
     engine_api_key: SecretStr | None = Field(
         None, description="Bearer token the gateway sends to the engine when vllm serve runs with --api-key."
@@ -622,6 +719,7 @@ class Settings(BaseSettings):
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
 
     @field_validator("redis_url")
     @classmethod
@@ -635,6 +733,20 @@ class Settings(BaseSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError("engine_url must start with http:// or https://")
         return value.rstrip("/")
+
+    @field_validator("replicas")
+    @classmethod
+    def _check_replica_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL {url!r} must start with http:// or https://")
+        return tuple(url.rstrip("/") for url in value)
+
+    def local_replica_urls(self) -> tuple[str, ...]:
+        """The engines of this host: `engine_url`, or with several managed replicas each one's 127.0.0.1 URL."""
+        if self.engine.replicas == 1:
+            return (self.engine_url,)
+        return tuple(f"http://127.0.0.1:{self.engine.replica_port(i)}" for i in range(self.engine.replicas))
 
     def masked(self) -> dict[str, Any]:
         """The effective configuration for the start-up log line, secrets masked."""

@@ -3,9 +3,10 @@ reading them back.
 
 The limiter's release script (gateway.ratelimit) writes these counters when a request ends; the `keys` CLI
 (gateway.auth) reads them. Both import this module, which sits below them and imports settings, metrics and the Redis
-boundary (gateway.redis) only. Usage for billing is counted by UTC day and by API (the route's API label: chat,
-completions, responses, messages); token budgets (daily and monthly, in `limits.budget_timezone`) are plain counters
-per window, whose windows come from an injectable clock (tests move it across midnights instead of waiting).
+boundary (gateway.redis) only. Usage for billing is counted by UTC day, by API (the route's API label: chat,
+completions, responses, messages) and by the model that served it; token budgets (daily and monthly, in
+`limits.budget_timezone`) are plain counters per window, whose windows come from an injectable clock (tests move it
+across midnights instead of waiting).
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class ApiUsage:
-    """One key's usage of one API on one UTC day, for billing: `tokens` is what was charged (the engine's
-    prompt + completion, or the up-front estimate where the engine reported no usage)."""
+    """One key's usage of one API and one model on one UTC day, for billing: `tokens` is what was charged (the
+    engine's prompt + completion, or the up-front estimate where the engine reported no usage); `model` is "" for
+    usage recorded without one (before the gateway named it)."""
 
     name: str
     day: date
     api: str
+    model: str
     requests: int
     tokens: int
     prompt_tokens: int
@@ -91,8 +94,23 @@ def budget_keys(name: str, windows: BudgetWindows) -> list[str]:
 
 
 def usage_day_key(name: str, day: date) -> str:
-    """The hash of key `name`'s usage on UTC `day`, by API and kind (`chat:tokens`) and in total (`tokens`)."""
+    """The hash of key `name`'s usage on UTC `day`, by API, model and kind (`chat|nemotron:tokens`: see
+    `usage_label`) and in total (`tokens`)."""
     return f"{USAGE_PREFIX}{{{name}}}:{_day_text(day)}"
+
+
+# Between the API and the model in a usage field's label: in neither an API label nor a model name.
+_MODEL_SEPARATOR: Final = "|"
+
+
+def usage_label(api: str, model: str | None) -> str:
+    """The label of a request's usage fields (`LABEL:requests`, `LABEL:tokens`, ...): its API and its model."""
+    return f"{api}{_MODEL_SEPARATOR}{model}" if model else api
+
+
+def _api_and_model(label: str) -> tuple[str, str]:
+    api, _, model = label.partition(_MODEL_SEPARATOR)
+    return api, model
 
 
 def usage_last_key(name: str) -> str:
@@ -187,7 +205,8 @@ class UsageReader:
         return usage
 
     async def usage_by_api(self, names: Sequence[str], since: date, until: date | None = None) -> list[ApiUsage]:
-        """Each key's usage by UTC day and API from `since` to `until` (default today), days without use left out."""
+        """Each key's usage by UTC day, API and model from `since` to `until` (default today), days without use left
+        out."""
         until = until or self._clock.utc_today()
         days = [since + timedelta(days=offset) for offset in range(max(0, (until - since).days + 1))]
 
@@ -203,9 +222,11 @@ class UsageReader:
         for name in names:
             for day in days:
                 counts = {field.decode(): int(value) for field, value in next(results).items()}
-                for api in sorted({field.rsplit(":", 1)[0] for field in counts if ":" in field}):
-                    by_kind = {kind: counts.get(f"{api}:{kind}", 0) for kind in _USAGE_KINDS}
-                    rows.append(ApiUsage(name=name, day=day, api=api, **by_kind))
+                labels = {field.rsplit(":", 1)[0] for field in counts if ":" in field}
+                for label in sorted(labels, key=_api_and_model):
+                    by_kind = {kind: counts.get(f"{label}:{kind}", 0) for kind in _USAGE_KINDS}
+                    api, model = _api_and_model(label)
+                    rows.append(ApiUsage(name=name, day=day, api=api, model=model, **by_kind))
         return rows
 
     async def budget_usage(self, name: str) -> BudgetUsage:

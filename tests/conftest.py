@@ -51,8 +51,17 @@ ENGINE_GROUP = "real-vllm"
 ENGINE_PATHS = ("tests/engine/", "tests/loadtest/test_profiles.py")
 # The modules of the second chain; the rest of ENGINE_PATHS is ENGINE_GROUP.
 SECOND_ENGINE_GROUP = "real-vllm-2"
+# The pool's module (three engines and their restarts under load) runs in this chain, before test_stack.py and
+# never beside it: in one of the two fresh-clone runs that had them side by side, vLLM finished a gone client's whole
+# generation before the disconnect reached it (test_stack.py's disconnect test); the CPU they share is the likely
+# cause, not proven.
 SECOND_ENGINE_MODULES = frozenset(
-    {"tests/engine/test_stack.py", "tests/engine/test_monitoring_vllm.py", "tests/engine/test_nemotron_h_preset.py"}
+    {
+        "tests/engine/test_stack.py",
+        "tests/engine/test_monitoring_vllm.py",
+        "tests/engine/test_nemotron_h_preset.py",
+        "tests/engine/test_pool_vllm.py",
+    }
 )
 ENGINE_GROUPS = frozenset({ENGINE_GROUP, SECOND_ENGINE_GROUP})
 SHM_COUNTING_GROUP = "fake-engine-shm"

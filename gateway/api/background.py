@@ -25,7 +25,7 @@ import orjson
 
 from gateway.api.conversation import Turn, new_response_id, queued_response
 from gateway.api.stored import replay
-from gateway.api.validation import PreparedRequest
+from gateway.api.validation import PreparedRequest, leading_messages
 from gateway.auth import ApiKey, KeyNotFoundError, KeyState
 from gateway.background import BackgroundTask, Backoff
 from gateway.errors import GatewayError, KeyStoreUnavailableError
@@ -239,48 +239,64 @@ class BackgroundRuns:
         (failed, with the reason, when there is none)."""
         services = self._services
         body = dict(job["body"])
+        model = str(body.get("model"))
+        affinity = str(job.get("key")).encode() + b"\0" + leading_messages(body, services.settings.routing.prefix_chars)
         try:
-            await services.admission.admit(job["priority"])
+            replica, how = services.pool.pick(model, affinity)
         except GatewayError as refused:
             if lease is not None:
                 await lease.release(0, served=False)
             return failed(response, refused.message)
-        scheduling = services.monitor.priority_scheduling
-        services.admission.count_sent(job["priority"], sent=scheduling)
-        if scheduling:
-            body["priority"] = job["priority"]
-        record = RequestRecord(request_id=f"background-{response['id']}", started_at=time.perf_counter())
-        record.api, record.stream, record.model, record.key_name = "responses", True, body.get("model"), job["key"]
-        record.keep_response = True
-
-        async def receive() -> Message:
-            await control.stop.wait()  # asked to stop: the exchange ends as for a client that left
-            return {"type": "http.disconnect"}
-
+        picked = replica.activity.picked()  # counted in the replica's load until its exchange opens
         try:
-            answer = await services.relay.forward(
-                Exchange(
-                    "/v1/responses",
-                    orjson.dumps(body),
-                    record,
-                    receive,
-                    stream=True,
-                    shape=RESPONSES,
-                    lease=lease,
-                    response_fields={"id": response["id"], "background": True},
+            try:
+                await replica.admission.admit(job["priority"])
+            except GatewayError as refused:
+                if lease is not None:
+                    await lease.release(0, served=False)
+                return failed(response, refused.message)
+            scheduling = replica.monitor.priority_scheduling
+            replica.admission.count_sent(job["priority"], sent=scheduling)
+            if scheduling:
+                body["priority"] = job["priority"]
+            record = RequestRecord(request_id=f"background-{response['id']}", started_at=time.perf_counter())
+            record.api, record.stream, record.model, record.key_name = "responses", True, body.get("model"), job["key"]
+            record.keep_response = True
+            record.replica, record.routed = replica.url, how
+
+            async def receive() -> Message:
+                await control.stop.wait()  # asked to stop: the exchange ends as for a client that left
+                return {"type": "http.disconnect"}
+
+            try:
+                answer = await services.relay.forward(
+                    Exchange(
+                        "/v1/responses",
+                        orjson.dumps(body),
+                        record,
+                        receive,
+                        stream=True,
+                        shape=RESPONSES,
+                        lease=lease,
+                        response_fields={"id": response["id"], "background": True},
+                        target=replica,
+                        retarget=services.pool.retarget(model),
+                        picked=picked,
+                    )
                 )
-            )
-        except GatewayError as error:
-            return failed(response, error.message)
-        await answer({"type": "http"}, receive, log.send)
-        _count_tokens(services, record)
-        if isinstance(answer, BufferedAnswer) and answer.status != 200:
-            return failed(response, engine_message(answer.status, answer.body))
-        if record.response is not None:
-            return record.response
-        if log.latest is not None and log.ended:
-            return log.latest
-        return failed(response, "The model engine ended the response before it finished.")
+            except GatewayError as error:
+                return failed(response, error.message)
+            await answer({"type": "http"}, receive, log.send)
+            _count_tokens(services, record)
+            if isinstance(answer, BufferedAnswer) and answer.status != 200:
+                return failed(response, engine_message(answer.status, answer.body))
+            if record.response is not None:
+                return record.response
+            if log.latest is not None and log.ended:
+                return log.latest
+            return failed(response, "The model engine ended the response before it finished.")
+        finally:
+            picked.release()
 
     async def _renew(self, response_id: str, control: _Control) -> None:
         while True:

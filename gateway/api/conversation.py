@@ -21,10 +21,9 @@ from typing import Any
 from fastapi import Request
 
 from gateway.api.context import get_services
-from gateway.api.validation import PreparedRequest, as_input_items, parse_json_object, prepare_responses
+from gateway.api.validation import Models, PreparedRequest, as_input_items, parse_json_object, prepare_responses
 from gateway.auth import ApiKey
 from gateway.errors import InvalidRequestError, KeyStoreUnavailableError, ResponseNotFoundError
-from gateway.relay.served_model import ModelInfo
 from gateway.request_record import RequestRecord
 from gateway.responses import ChainError, ResponseStore
 from gateway.settings import Settings
@@ -89,9 +88,9 @@ class Turn:
         """What the client's answer says that the engine, called without its store, cannot."""
         return {"store": self.stored, "previous_response_id": self.previous_response_id}
 
-    def prepare(self, body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+    def prepare(self, body: bytes, settings: Settings, models: Models) -> PreparedRequest:
         """The request validated, with the conversation it continues before its own input."""
-        return prepare_responses(body, settings, info, history=self.history, background=self.background)
+        return prepare_responses(body, settings, models, history=self.history, background=self.background)
 
     def keeper(self, record: RequestRecord) -> Callable[[], Awaitable[None]] | None:
         """What runs once the exchange is settled (before a stream's end goes out): the finished response stored.

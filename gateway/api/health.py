@@ -16,7 +16,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway.api.context import get_services
-from gateway.relay.readiness import SharedEngineState
+from gateway.relay.readiness import SharedPoolState
 
 router = APIRouter()
 
@@ -27,7 +27,7 @@ class Readiness:
     engine view before it signals the workers, so every worker answers 503 at once): the process finishes what it
     has and takes nothing new."""
 
-    def __init__(self, shared: SharedEngineState | None = None, ttl: float = 1.0) -> None:
+    def __init__(self, shared: SharedPoolState | None = None, ttl: float = 1.0) -> None:
         self.ttl = ttl
         self._shared = shared
         self._stopping = False
@@ -70,21 +70,27 @@ async def health() -> Response:
 
 @router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> Response:
-    """Readiness: 200 only when the engine is known ready (the monitor's view, confirmed when it was down),
-    Redis answers and the gateway is not draining."""
+    """Readiness: 200 only while every model a replica serves has a ready, undrained replica (the monitors' view,
+    confirmed where this worker has not learned a replica's model yet), Redis answers and the gateway is not
+    draining. The body lists every replica's state."""
     services = get_services(request)
     readiness: Readiness = request.app.state.readiness
-    engine_reason = await services.monitor.confirmed_reason()
+    await services.pool.confirm()
+    engine_reason = services.pool.not_ready_reason()
     redis_reason = await readiness.redis(services.check_redis)
     ready = engine_reason is None and redis_reason is None and not readiness.draining
+    views = services.pool.views()
+    models = sorted({view.model for view in views if view.model is not None and view.ready})
     body: dict[str, object] = {
         "status": "ready" if ready else "draining" if readiness.draining else "not_ready",
         "draining": readiness.draining,
         "engine": {"ok": engine_reason is None, "reason": engine_reason},
         "redis": {"ok": redis_reason is None, "reason": redis_reason},
+        "models": models,
+        "replicas": [view.to_json() for view in views],
     }
-    if services.monitor.model is not None:
-        body["model"] = services.monitor.model.name
+    if models:
+        body["model"] = models[0] if len(models) == 1 else models
     status = 200 if body["status"] == "ready" else 503
     headers = {} if status == 200 else {"Retry-After": str(int(services.settings.relay.retry_after))}
     return Response(orjson.dumps(body), status, headers=headers, media_type="application/json")

@@ -9,9 +9,11 @@ and answers with an ASGI app: the engine's whole answer, or for streams the SSE 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
@@ -20,8 +22,10 @@ from gateway.api.context import get_background, get_record, get_services, requir
 from gateway.api.conversation import Turn
 from gateway.api.validation import Prepare, PreparedRequest, effective_priority
 from gateway.auth import ApiKey
-from gateway.errors import QuotaExceededError, RequestTooLargeError
+from gateway.errors import NotFoundError, QuotaExceededError, RequestTooLargeError
+from gateway.pool.replica import Replica
 from gateway.ratelimit import EffectiveLimits, RequestLease
+from gateway.relay.activity import Picked
 from gateway.relay.disconnect import disconnect_watch
 from gateway.relay.exchange import Exchange
 from gateway.relay.shapes import WireShape
@@ -94,52 +98,82 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         # an over-limit client must not make the gateway read and parse megabytes first.
         lease.precheck()
     body = await _read_body(request, services.settings.max_body_bytes)
-    info = await services.monitor.require_ready()
+    served = await services.pool.served()
     turn = await api.begin_turn(request, key, body) if api.begin_turn is not None else None
-    prepared = (api.prepare if turn is None else turn.prepare)(body, services.settings, info)
+    prepared = (api.prepare if turn is None else turn.prepare)(body, services.settings, served)
     record.model, record.stream, record.prepared_at = prepared.model, prepared.stream, time.perf_counter()
     if key is not None:
         services.keys.check_model(key, prepared.model)
-        prepared = prepared.capped(_token_limit(services.limiter.effective_limits(key)), info.context_length)
+        prepared = prepared.capped(_token_limit(services.limiter.effective_limits(key)), prepared.context_length)
     if turn is not None and turn.background:
         # Counted like any request: admitted against the key's limits now, run by the gateway (its lease held).
         if lease is not None:
             prepared = await _acquire(lease, prepared)
         priority = _priority(services, key, prepared)
         return await get_background(request).create(turn, prepared, priority, key, lease, record)
-    after = turn.keeper(record) if turn is not None else None
-    admitting = None
-    if lease is not None:
-        # A key admitted last time goes on to the engine while Redis decides (the answer waits for it), unless the
-        # engine's queue must admit it first or the route has a step of its own to run once admitted.
-        # A cap of the gateway's may yet be lowered to what a budget has left: that needs the answer first.
-        if after is None and not services.admission.enabled and prepared.gateway_cap_field is None:
-            admitting = lease.acquire_beside(prepared.tokens_estimate)
-        if admitting is None:
-            prepared = await _acquire(lease, prepared)
-    engine_body, engine_headers = api.engine_request(
-        request, prepared, await _admit(services, key, prepared, lease, record)
-    )
-    if trace is not None:
-        sent_at = time.perf_counter()
-        trace.sending(engine_headers, sent_at, prepared.max_tokens, engine_body, generates=prepared.generates)
-    return await services.relay.forward(
-        Exchange(
-            api.path,
-            engine_body,
-            record,
-            request.receive,
-            stream=prepared.stream,
-            strip_usage=not prepared.client_wants_usage,
-            shape=api.shape,
-            engine_headers=engine_headers,
-            watch=disconnect_watch(request.scope),
-            lease=lease,
-            admitting=admitting,
-            after=after,
-            response_fields=turn.response_fields if turn is not None else None,
+    replica, picked = route(services, record, prepared, affinity_key(request, services, key, prepared))
+    try:
+        after = turn.keeper(record) if turn is not None else None
+        admitting = None
+        if lease is not None:
+            # A key admitted last time goes on to the engine while Redis decides (the answer waits for it), unless the
+            # engine's queue must admit it first or the route has a step of its own to run once admitted.
+            # A cap of the gateway's may yet be lowered to what a budget has left: that needs the answer first.
+            if after is None and not replica.admission.enabled and prepared.gateway_cap_field is None:
+                admitting = lease.acquire_beside(prepared.tokens_estimate)
+            if admitting is None:
+                prepared = await _acquire(lease, prepared)
+        engine_body, engine_headers = api.engine_request(
+            request, prepared, await _admit(services, replica, key, prepared, lease, record)
         )
-    )
+        if trace is not None:
+            sent_at = time.perf_counter()
+            trace.sending(engine_headers, sent_at, prepared.max_tokens, engine_body, generates=prepared.generates)
+        return await services.relay.forward(
+            Exchange(
+                api.path,
+                engine_body,
+                record,
+                request.receive,
+                stream=prepared.stream,
+                strip_usage=not prepared.client_wants_usage,
+                shape=api.shape,
+                engine_headers=engine_headers,
+                watch=disconnect_watch(request.scope),
+                lease=lease,
+                admitting=admitting,
+                after=after,
+                response_fields=turn.response_fields if turn is not None else None,
+                target=replica,
+                retarget=services.pool.retarget(prepared.model),
+                picked=picked,
+            )
+        )
+    finally:
+        picked.release()  # opened its exchange by now, or never will (refused, failed)
+
+
+def affinity_key(request: Request, services: Services, key: ApiKey | None, prepared: PreparedRequest) -> bytes:
+    """What the request's replica affinity is hashed from: its key's record id with the session header's value when
+    it sends one, else with the conversation's leading messages (the same for every turn of one conversation,
+    whether its history is sent again or continued from a stored response)."""
+    owner = (key.key_id if key is not None else "-").encode()
+    session = request.headers.get(services.settings.routing.session_header)
+    if session:
+        return owner + b"\0session\0" + session.encode("utf-8", "replace")
+    return owner + b"\0" + prepared.leading
+
+
+def route(
+    services: Services, record: RequestRecord, prepared: PreparedRequest, affinity: bytes | None
+) -> tuple[Replica, Picked]:
+    """A ready replica of the request's model, by its picker (503 when none is ready); noted on `record` and
+    counted; and its pick, counted in the replica's load from now on (for the next request's picker, in every
+    worker) until the caller releases it, when the request's exchange opens or it is refused."""
+    replica, how = services.pool.pick(prepared.model, affinity)
+    record.replica, record.routed = replica.url, how
+    services.metrics.routed.labels(prepared.model, how).inc()
+    return replica, replica.activity.picked()
 
 
 async def _acquire(lease: RequestLease, prepared: PreparedRequest) -> PreparedRequest:
@@ -164,19 +198,24 @@ def _token_limit(limits: EffectiveLimits) -> int | None:
 
 
 async def _admit(
-    services: Services, key: ApiKey | None, prepared: PreparedRequest, lease: RequestLease | None, record: RequestRecord
+    services: Services,
+    replica: Replica,
+    key: ApiKey | None,
+    prepared: PreparedRequest,
+    lease: RequestLease | None,
+    record: RequestRecord,
 ) -> int | None:
-    """Admit the request at its priority (kept on `record`) against the engine's queue (its lease released uncharged
-    when refused); the priority to send the engine: None unless it schedules by priority."""
+    """Admit the request at its priority (kept on `record`) against its replica's queue (its lease released
+    uncharged when refused); the priority to send the engine: None unless it schedules by priority."""
     if not prepared.generates:
         # Counting tokens takes no place in the engine's queue: counted there, it would refuse other keys'
         # generations until the next scrape of the engine's gauges.
         return None
     priority = record.priority = _priority(services, key, prepared)
     try:
-        await services.admission.admit(priority)
-        scheduling = services.monitor.priority_scheduling
-        services.admission.count_sent(priority, sent=scheduling)
+        await replica.admission.admit(priority)
+        scheduling = replica.monitor.priority_scheduling
+        replica.admission.count_sent(priority, sent=scheduling)
         return priority if scheduling else None
     except BaseException:
         # Refused (or cancelled) before the engine: the key's request is given back, and an admission still running
@@ -197,13 +236,47 @@ def _priority(services: Services, key: ApiKey | None, prepared: PreparedRequest)
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    """GET /v1/models: the engine's list, with the configured aliases as further entries."""
+    """GET /v1/models: every model a ready replica serves (the engines' own entries), with the configured aliases
+    as further entries of the first; a key limited to some models sees those only."""
     services = get_services(request)
-    await require_api_key(request, services)
-    info = await services.monitor.require_ready()
-    listing = await services.engine.get_json("/v1/models", services.settings.relay.probe_timeout)
-    entries = listing.get("data", []) if isinstance(listing, dict) else []
-    served = next((e for e in entries if isinstance(e, dict) and e.get("id") == info.name), None)
-    if served is not None:
-        entries.extend({**served, "id": alias} for alias in services.settings.model_aliases)
+    key = await require_api_key(request, services)
+    entries = await _model_entries(services, key)
     return Response(orjson.dumps({"object": "list", "data": entries}), media_type="application/json")
+
+
+async def retrieve_model(request: Request) -> ASGIApp:
+    """GET /v1/models/{model} (the OpenAI SDK's `models.retrieve`; a model id may hold slashes): the model's entry,
+    or 404 in OpenAI's envelope for a model not served here or not open to the key."""
+    services = get_services(request)
+    key = await require_api_key(request, services)
+    wanted = request.url.path.removeprefix(_MODEL_PATH)
+    entry = next((e for e in await _model_entries(services, key) if e.get("id") == wanted), None)
+    if entry is None:
+        raise NotFoundError(f"The model {wanted!r} does not exist here.", param="model")
+    return Response(orjson.dumps(entry), media_type="application/json")
+
+
+_MODEL_PATH = "/v1/models/"
+
+
+async def _model_entries(services: Services, key: ApiKey | None) -> list[dict[str, Any]]:
+    """The /v1/models entries: each served model's entry as one of its ready replicas lists it (asked of every
+    model's replica at once), the aliases after the first model's, those `key` may not use left out."""
+    served = await services.pool.served()
+    ready = services.pool.ready_models()
+    names = [model.name for model in served.models if model.name in ready]
+    if key is not None and key.models is not None:
+        names = [name for name in names if name in key.models]
+    within = services.settings.relay.probe_timeout
+    listings = await asyncio.gather(*(ready[name][0].client.get_json("/v1/models", within) for name in names))
+    entries: list[dict[str, Any]] = []
+    for name, listing in zip(names, listings, strict=True):
+        found = listing.get("data", []) if isinstance(listing, dict) else []
+        entry = next((e for e in found if isinstance(e, dict) and e.get("id") == name), None)
+        if entry is None:  # the operator renamed the local engine's model (`model_name`): its first entry, renamed
+            first = next((e for e in found if isinstance(e, dict)), {"object": "model", "owned_by": "vllm"})
+            entry = {**first, "id": name}
+        entries.append(entry)
+        if served.models and name == served.models[0].name:
+            entries.extend({**entry, "id": alias} for alias in services.settings.model_aliases)
+    return entries

@@ -28,10 +28,12 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/metrics/engine")
 async def engine_metrics(request: Request) -> Response:
-    """vLLM's own metrics (`vllm:*`: queue, KV cache, its latency histograms), as the engine exposes them."""
+    """vLLM's own metrics (`vllm:*`: queue, KV cache, its latency histograms), as the engine exposes them; with
+    several replicas, every replica's, each sample labelled with its `replica` and `model`."""
     _checked(request)
     exposition = get_services(request).exposition
     if not exposition.engine_enabled:
         raise RouteNotFoundError("The engine's metrics are not relayed here (NEMOTRON_METRICS__ENGINE=false).")
-    body, media_type = await exposition.engine()
+    replicas = get_services(request).pool.replicas
+    body, media_type = await exposition.engine([(r.url, r.model_name, r.client) for r in replicas])
     return Response(body, media_type=media_type)

@@ -3,7 +3,8 @@
 The app's dispatcher, its 404 and 405 answers, the error envelope of each route and the metric route and API
 labels are all derived from `SERVED`; the FastAPI routers implement the rows without a handler, and a test
 holds them equal. A relayed API is a row with a `Relayed` descriptor (engine path, validation, wire shape);
-a `{id}` segment in a path matches any one segment. Imports the relayed handlers only (the hot rows).
+a `{id}` segment in a path matches any one segment, a last `{name:path}` the rest of the path. Imports the
+relayed handlers only (the hot rows).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from gateway.api import conversation, stored
+from gateway.api import relayed as relayed_api
 from gateway.api.relayed import BeginTurn, Relayed
 from gateway.api.validation import (
     Prepare,
@@ -98,6 +100,7 @@ SERVED: tuple[ServedRoute, ...] = (
         priority_header=True,
     ),
     ServedRoute("GET", "/v1/models"),
+    ServedRoute("GET", "/v1/models/{model:path}", relayed_api.retrieve_model),
     ServedRoute("GET", "/health"),
     # Load balancers probe with HEAD.
     ServedRoute("HEAD", "/health"),
@@ -109,6 +112,9 @@ SERVED: tuple[ServedRoute, ...] = (
 
 
 def _matches(template: tuple[str, ...], parts: list[str]) -> bool:
+    if template and template[-1].endswith(":path}"):  # the rest of the path, slashes and all (a model id)
+        head = len(template) - 1
+        return len(parts) > head and _matches(template[:-1], parts[:head]) and all(parts[head:])
     return len(template) == len(parts) and all(
         t == p or (t.startswith("{") and p != "") for t, p in zip(template, parts, strict=True)
     )

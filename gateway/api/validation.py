@@ -25,8 +25,8 @@ from gateway.api.schemas import (
     CompletionRequest,
     ResponsesRequest,
 )
-from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.relay.served_model import ModelInfo
+from gateway.errors import InvalidRequestError
+from gateway.relay.served_model import ModelInfo, ServedModels
 from gateway.settings import Settings
 
 # Four characters a token is the usual estimate for English text; it only sizes the up-front
@@ -71,6 +71,10 @@ class PreparedRequest:
     # The field the gateway wrote its own cap into (`capped`), and the body before it: `recapped` may lower it.
     gateway_cap_field: str | None = None
     uncapped_body: bytes = b""
+    # The model's context length (None: unknown), and the conversation's leading messages as JSON, at most
+    # `routing.prefix_chars` bytes: what its replica affinity is hashed from.
+    context_length: int | None = None
+    leading: bytes = b""
 
     @property
     def generates(self) -> bool:
@@ -148,7 +152,9 @@ def _pop_priority(data: dict[str, Any]) -> int | None:
     return requested
 
 
-Prepare = Callable[[bytes, Settings, ModelInfo], PreparedRequest]
+# What a request's `model` is resolved against: the served models (the pool's), or one model alone.
+Models = ModelInfo | ServedModels
+Prepare = Callable[[bytes, Settings, Models], PreparedRequest]
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -224,13 +230,31 @@ def _validate(model: type[BaseModel], data: dict[str, Any]) -> None:
         raise _as_request_error(exc) from None
 
 
-def _resolve_model(requested: str, settings: Settings, info: ModelInfo) -> str:
-    if requested == info.name:
-        return requested
-    if requested in settings.model_aliases:
-        return info.name
-    names = ", ".join(repr(n) for n in (info.name, *settings.model_aliases))
-    raise NotFoundError(f"The model {requested!r} does not exist here; use one of: {names}.", param="model")
+def _resolve_model(requested: str, settings: Settings, models: Models) -> ModelInfo:
+    if isinstance(models, ModelInfo):
+        return models.resolve(requested, settings.model_aliases)
+    return models.resolve(requested)
+
+
+# The system-like roles a conversation's leading messages may start with, before its first turn.
+_LEADING_ROLES = ("system", "developer")
+
+
+def leading_messages(data: dict[str, Any], limit: int) -> bytes:
+    """The start of a conversation: its system prompt or instructions, any leading system messages, and its first
+    turn (the first other message or input item, or the prompt), each as JSON cut to `limit` bytes. The same for
+    every turn of one conversation, whatever follows, so its turns share a replica's prefix cache. Each part is cut
+    on its own: a system prompt longer than the limit, which many conversations share, still leaves their first
+    turns to tell them apart."""
+    parts: list[Any] = [data.get("system"), data.get("instructions")]
+    items = data.get("messages") or data.get("input") or data.get("prompt")
+    for item in items if isinstance(items, list) else [items]:
+        # A message as its role and content: a Responses input given as a string and the same message as an item
+        # (how a later turn's history holds it) are one start.
+        parts.append([item.get("role"), item.get("content")] if isinstance(item, dict) else ["user", item])
+        if not (isinstance(item, dict) and item.get("role") in _LEADING_ROLES):
+            break
+    return b"\0".join(orjson.dumps(part)[:limit] for part in parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +337,7 @@ def _prepare(
     body: bytes,
     route: _Route,
     settings: Settings,
-    info: ModelInfo,
+    models: Models,
     apply_policy: Callable[[dict[str, Any]], int],
 ) -> PreparedRequest:
     """Parse, count, validate, resolve the model, check choices and budget, apply the stream policy and the
@@ -323,8 +347,8 @@ def _prepare(
     route.bounds.check(data, settings, len(body))
     _validate(route.schema, data)
     requested_priority = _pop_priority(data)
-    model = _resolve_model(data["model"], settings, info)
-    data["model"] = model
+    info = _resolve_model(data["model"], settings, models)
+    model = data["model"] = info.name
     choices = (_check_choices(data, settings) if route.stream_options else 1) * route.prompts(data)
     max_tokens = _check_budget(data, route, info)
     open_field = None
@@ -349,6 +373,8 @@ def _prepare(
         choices=choices,
         requested_priority=requested_priority,
         open_budget_field=open_field,
+        context_length=info.context_length,
+        leading=leading_messages(data, settings.routing.prefix_chars),
     )
 
 
@@ -380,7 +406,7 @@ _COMPLETION = _Route(
 )
 
 
-def prepare_chat(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+def prepare_chat(body: bytes, settings: Settings, models: Models) -> PreparedRequest:
     """Validate a chat completion request and apply policy; raises InvalidRequestError / NotFoundError."""
 
     def policy(data: dict[str, Any]) -> int:
@@ -394,7 +420,7 @@ def prepare_chat(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRe
         apply_reasoning(data, served_switch(settings.engine))
         return sum(_text_length(m.get("content")) for m in data["messages"]) // _CHARS_PER_TOKEN + 1
 
-    return _prepare(body, _CHAT, settings, info, policy)
+    return _prepare(body, _CHAT, settings, models, policy)
 
 
 def _prompt_estimate(data: dict[str, Any]) -> int:
@@ -408,9 +434,9 @@ def _prompt_estimate(data: dict[str, Any]) -> int:
     return sum(len(p) for p in prompt)
 
 
-def prepare_completion(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+def prepare_completion(body: bytes, settings: Settings, models: Models) -> PreparedRequest:
     """Validate a text completion request and apply policy; raises InvalidRequestError / NotFoundError."""
-    return _prepare(body, _COMPLETION, settings, info, _prompt_estimate)
+    return _prepare(body, _COMPLETION, settings, models, _prompt_estimate)
 
 
 _RESPONSES = _Route(
@@ -458,7 +484,7 @@ def as_input_items(source: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 def prepare_responses(
     body: bytes,
     settings: Settings,
-    info: ModelInfo,
+    models: Models,
     *,
     history: Sequence[dict[str, Any]] = (),
     background: bool = False,
@@ -484,7 +510,7 @@ def prepare_responses(
         text += len(source) if isinstance(source, str) else sum(_item_text_length(item) for item in source)
         return text // _CHARS_PER_TOKEN + 1
 
-    return _prepare(body, _RESPONSES, settings, info, policy)
+    return _prepare(body, _RESPONSES, settings, models, policy)
 
 
 def _item_text_length(item: dict[str, Any]) -> int:
@@ -525,7 +551,7 @@ def _check_thinking_budget(data: dict[str, Any]) -> None:
         )
 
 
-def prepare_messages(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+def prepare_messages(body: bytes, settings: Settings, models: Models) -> PreparedRequest:
     """Validate an Anthropic Messages request (a thinking budget below `max_tokens`) and apply the default system
     message (`system`)."""
     apply_policy = _messages_policy(settings)
@@ -534,9 +560,9 @@ def prepare_messages(body: bytes, settings: Settings, info: ModelInfo) -> Prepar
         _check_thinking_budget(data)
         return apply_policy(data)
 
-    return _prepare(body, _MESSAGES, settings, info, policy)
+    return _prepare(body, _MESSAGES, settings, models, policy)
 
 
-def prepare_count_tokens(body: bytes, settings: Settings, info: ModelInfo) -> PreparedRequest:
+def prepare_count_tokens(body: bytes, settings: Settings, models: Models) -> PreparedRequest:
     """Validate an Anthropic count_tokens request (as a Messages request would be counted)."""
-    return _prepare(body, _COUNT_TOKENS, settings, info, _messages_policy(settings))
+    return _prepare(body, _COUNT_TOKENS, settings, models, _messages_policy(settings))

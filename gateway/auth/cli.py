@@ -104,7 +104,7 @@ def add_keys_parser(
     enabled = update.add_mutually_exclusive_group()
     enabled.add_argument("--disable", dest="disabled", action="store_true", default=None, help="Disable the key.")
     enabled.add_argument("--enable", dest="disabled", action="store_false", help="Enable it again.")
-    usage = verbs.add_parser("usage", help="Requests and tokens by key, UTC day and API (for billing).")
+    usage = verbs.add_parser("usage", help="Requests and tokens by key, UTC day, API and model (for billing).")
     usage.add_argument("name", nargs="?", help="One key (default: every key).")
     usage.add_argument("--since", type=_date_arg, metavar="YYYY-MM-DD", help="First UTC day (default: 30 days ago).")
     usage_format = usage.add_mutually_exclusive_group()
@@ -325,13 +325,19 @@ async def _usage(store: KeyStore, reader: UsageReader, responses: ResponseStore,
     if since > today:
         raise InvalidRequestError(f"--since {since.isoformat()} is in the future (today is {today.isoformat()}, UTC)")
     rows = [
-        {"key": row.name, "day": row.day.isoformat(), "api": row.api, **{f: getattr(row, f) for f in _USAGE_FIELDS}}
+        {
+            "key": row.name,
+            "day": row.day.isoformat(),
+            "api": row.api,
+            "model": row.model,
+            **{f: getattr(row, f) for f in _USAGE_FIELDS},
+        }
         for row in await reader.usage_by_api(names, since)
     ]
     if args.json:
         _out(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
         return
-    header = ["key", "day", "api", *_USAGE_FIELDS]
+    header = ["key", "day", "api", "model", *_USAGE_FIELDS]
     if args.csv:
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")

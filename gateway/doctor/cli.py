@@ -16,12 +16,18 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from gateway.doctor import rows
+from gateway.doctor.check import Check, Status
 from gateway.doctor.report import exit_code, render_json, render_table
-from gateway.doctor.runner import doctor_config, run_checks
+from gateway.doctor.runner import DoctorConfig, doctor_config, run_checks
 from gateway.engine.presets import engine_profile
-from gateway.engine.profiles import ProfileError
+from gateway.engine.profiles import Profile, ProfileError
+from gateway.engine.replicas import available_gpus, replica_settings, split_gpus
 from gateway.engine.supervisor_state import RUNNING_ENV, STATUS_FILE
 from gateway.settings import Settings
+
+# The rows that differ between the replicas of one host (their GPUs, their port); the others are checked once.
+_PER_REPLICA = frozenset(row.name for row in (*rows.GPU_ROWS, rows.ENGINE_PORT))
 
 
 def add_doctor_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -97,9 +103,45 @@ def run_doctor(args: argparse.Namespace, settings: Settings) -> int:
             if value is not None
         },
     )
-    checks = run_checks(config)
+    if settings.engine.replicas > 1 and args.engine_port is None:
+        checks = _replica_checks(settings, profile, config)
+    else:
+        checks = run_checks(config)
     sys.stdout.write(render_json(checks) if args.json else render_table(checks))
     return exit_code(checks)
+
+
+def _replica_checks(settings: Settings, profile: Profile, config: DoctorConfig) -> list[Check]:
+    """Every check for the first replica, and the GPU and port rows of each (named `... (replica i)`), each with the
+    GPUs its supervisor gives it."""
+    try:
+        gpus: list[str | None] = (
+            [settings.engine.gpus] * settings.engine.replicas
+            if config.cpu
+            else list(split_gpus(available_gpus(settings.engine), config.parallel.gpus, settings.engine.replicas))
+        )
+    except ProfileError as exc:
+        missing = Check(
+            "GPUs for the replicas", Status.FAIL, str(exc), "see `nemotron-gateway engine --print-argv`", fatal=True
+        )
+        return [missing, *run_checks(config)]
+    checks: list[Check] = []
+    for index, own in enumerate(gpus):
+        mine = replica_settings(settings, index, own)
+        replica_config = replace(
+            config,
+            engine_port=mine.engine.port,
+            engine_env=doctor_config(mine, profile).engine_env,
+            engine_status_file=settings.engine.replica_state_dir(index) / STATUS_FILE,
+        )
+        if index > 0:  # the model is the same: its rows (and vLLM's verdict) once, for the first
+            replica_config = replace(replica_config, model=None, ask_vllm=False)
+        for check in run_checks(replica_config):
+            if check.name in _PER_REPLICA:
+                checks.append(replace(check, name=f"{check.name} (replica {index})"))
+            elif index == 0:
+                checks.append(check)
+    return checks
 
 
 def main(argv: Sequence[str] | None = None) -> int:

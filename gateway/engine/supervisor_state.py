@@ -17,6 +17,11 @@ from typing import Any
 STATUS_FILE = "engine.json"
 # The settings a supervisor runs with, as an env file in its state dir (a hand-run `doctor` reads it).
 RUNNING_ENV = "run.env"
+# An operator's request that the supervisor restart its engine (`nemotron-gateway replicas restart`): a file in the
+# replica's state dir, which its supervisor polls (within `RESTART_REQUEST_POLL` s) and removes when it acts on it.
+# A file rather than a signal: several replicas' supervisors may share one process (`up`).
+RESTART_REQUEST = "restart.request"
+RESTART_REQUEST_POLL = 0.25
 # vLLM's --scheduling-policy values (vllm/config/scheduler.py, SchedulerPolicy) and its default.
 FCFS = "fcfs"
 PRIORITY = "priority"
@@ -43,12 +48,13 @@ class EngineState(enum.Enum):
 
 
 class RestartCause(enum.Enum):
-    """Why an engine life ended without being asked to."""
+    """Why an engine life ended without a stop being asked for."""
 
     CRASH = "crash"  # the process exited by itself
     START_FAILED = "start failed"  # exited, or never became ready, during start-up
     NOT_GENERATING = "not generating"  # answers, but produced no token within the stall bound
     UNRESPONSIVE = "unresponsive"  # no answer at all (refused or timed out) within the stall bound
+    REQUESTED = "requested"  # an operator's restart request: no crash, counted in no crash budget
 
 
 @dataclass
@@ -188,4 +194,26 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def request_restart(state_dir: Path) -> Path:
+    """Ask the supervisor of `state_dir` to restart its engine (a ready or unhealthy one, within about
+    `RESTART_REQUEST_POLL` s; an engine starting when the request is made is restarted once it is ready). Returns the
+    request file, which the supervisor removes when it acts."""
+    path = state_dir / RESTART_REQUEST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".restart-")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{time.time()!r}\n")
+    os.replace(tmp, path)
+    return path
+
+
+def take_restart_request(state_dir: Path) -> bool:
+    """Remove a restart request from `state_dir`; whether there was one."""
+    try:
+        (state_dir / RESTART_REQUEST).unlink()
+    except FileNotFoundError:
+        return False
     return True

@@ -176,13 +176,19 @@ class RequestContextMiddleware:
         children[1].observe(duration)
         ttft = None if record.first_chunk_at is None else record.first_chunk_at - record.started_at
         completion = record.completion_tokens
+        inter_token = None
         if ttft is not None:
             metrics.time_to_first_token.observe(ttft)
             if record.stream and completion is not None and completion > 1:
-                metrics.inter_token_latency.observe((duration - ttft) / (completion - 1))
+                inter_token = (duration - ttft) / (completion - 1)
+                metrics.inter_token_latency.observe(inter_token)
         if record.prompt_tokens is not None and completion is not None:
             metrics.tokens.labels("prompt").inc(record.prompt_tokens)
             metrics.tokens.labels("completion").inc(completion)
+        if record.replica is not None:
+            metrics.count_replica(
+                record.model or "", record.replica, status, ttft, record.prompt_tokens, completion, inter_token
+            )
         if record.api is not None:
             metrics.count_api(record.api, status, record.prompt_tokens, completion, record.reasoning_tokens)
         if record.key_name is not None:
@@ -205,7 +211,7 @@ def _emit(message: str, *args: object) -> None:
 def _text_line(scope: Scope, record: RequestRecord, status: int, duration: float, ttft: float | None) -> None:
     client = scope.get("client")
     _emit(
-        '%s "%s %s" %d %.1fms id=%s key=%s model=%s stream=%s tokens=%s/%s ttft=%s api=%s%s%s',
+        '%s "%s %s" %d %.1fms id=%s key=%s model=%s replica=%s stream=%s tokens=%s/%s ttft=%s api=%s%s%s',
         loggable(client[0]) if client else "-",
         loggable(scope["method"]),
         loggable(scope["path"]),
@@ -214,6 +220,7 @@ def _text_line(scope: Scope, record: RequestRecord, status: int, duration: float
         record.request_id,
         loggable(record.key_name) if record.key_name else "-",
         loggable(record.model) if record.model else "-",
+        record.replica or "-",
         "yes" if record.stream else "no",
         "-" if record.prompt_tokens is None else record.prompt_tokens,
         "-" if record.completion_tokens is None else record.completion_tokens,
@@ -233,6 +240,7 @@ def _json_line(scope: Scope, record: RequestRecord, status: int, duration: float
         "request_id": record.request_id,
         "key": record.key_name,
         "model": record.model,
+        "replica": record.replica,
         "method": scope["method"],
         "route": scope["path"],
         "api": record.api,

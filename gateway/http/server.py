@@ -22,7 +22,7 @@ from gateway.http.client_limits import ClientLimits
 from gateway.http.uvicorn_internals import DrainingServer, GuardedHttpToolsProtocol, ServerConfig
 from gateway.http.workers import STARTUP_FAILURE, WorkerPool, usable_cores
 from gateway.metrics.multiprocess import forget_worker
-from gateway.relay.readiness import SharedEngineState
+from gateway.relay.readiness import SharedPoolState
 from gateway.settings import Settings, inherited_listen_fd
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ def serve(settings: Settings) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return STARTUP_FAILURE
-    # Made before the fork, so the workers share one view of the engine (see gateway/relay/readiness.py).
-    shared = SharedEngineState()
+    # Made before the fork, so the workers share one view of every replica (see gateway/relay/readiness.py).
+    shared = SharedPoolState()
     target = functools.partial(serve_socket, settings, limits, shared=shared)
     # A dead worker's in-flight gauge must not stay in the sum the others' scrapes report.
     pool = WorkerPool(
@@ -93,7 +93,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve_socket(
-    settings: Settings, limits: ClientLimits, sock: socket.socket | None, shared: SharedEngineState | None = None
+    settings: Settings, limits: ClientLimits, sock: socket.socket | None, shared: SharedPoolState | None = None
 ) -> int:
     """Build the app and run it under uvicorn, on `sock` or (None) on a socket of its own; the exit code. `shared`:
     the engine view of the pool this worker belongs to."""

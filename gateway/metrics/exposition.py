@@ -16,13 +16,16 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+from collections.abc import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.platform_collector import PlatformCollector
 
 from gateway.engine.nvml import ActivityReader
-from gateway.errors import MetricsForbiddenError
+from gateway.errors import EngineUnavailableError, GatewayError, MetricsForbiddenError
 from gateway.metrics.instruments import GatewayMetrics, GpuCollector, WorkersCollector
 from gateway.metrics.multiprocess import living_workers
 from gateway.relay.client import EngineClient
@@ -71,8 +74,7 @@ class ScrapeAccess:
 class Exposition:
     """Renders the gateway's metrics and relays the engine's; `stop` releases NVML."""
 
-    def __init__(self, settings: Settings, metrics: GatewayMetrics, engine: EngineClient) -> None:
-        self._engine = engine
+    def __init__(self, settings: Settings, metrics: GatewayMetrics) -> None:
         self._engine_timeout = settings.metrics.engine_timeout
         self.engine_enabled = settings.metrics.engine
         self.access = ScrapeAccess(settings.metrics)
@@ -95,11 +97,53 @@ class Exposition:
         NVML calls (tens of ms) and must not hold the event loop that relays streams."""
         return await asyncio.to_thread(generate_latest, self._registry), CONTENT_TYPE_LATEST
 
-    async def engine(self) -> tuple[bytes, str]:
-        """The engine's own /metrics as it answered, or EngineUnavailableError (503: the engine job is down)."""
-        body, content_type = await self._engine.metrics(self._engine_timeout)
-        return body, content_type or CONTENT_TYPE_LATEST
+    async def engine(self, replicas: Sequence[tuple[str, str | None, EngineClient]]) -> tuple[bytes, str]:
+        """The engines' own /metrics: one replica's as it answered; several, merged into one exposition with each
+        sample labelled by its `replica` (URL) and `model`, a replica that does not answer left out.
+        EngineUnavailableError (503: the engine job is down) when none answers."""
+        if len(replicas) == 1:
+            body, content_type = await replicas[0][2].metrics(self._engine_timeout)
+            return body, content_type or CONTENT_TYPE_LATEST
+        answers = await asyncio.gather(
+            *(client.metrics(self._engine_timeout) for _, _, client in replicas), return_exceptions=True
+        )
+        texts = [
+            (url, model or "", answer[0].decode("utf-8", "replace"))
+            for (url, model, _), answer in zip(replicas, answers, strict=True)
+            if not isinstance(answer, BaseException)
+        ]
+        if not texts:
+            failed = next((a for a in answers if isinstance(a, GatewayError)), None)
+            raise failed or EngineUnavailableError("No replica answered /metrics.")
+        return await asyncio.to_thread(merge_expositions, texts), CONTENT_TYPE_LATEST
 
     def stop(self) -> None:
         """Release NVML."""
         self._gpus.close()
+
+
+class _Merged:
+    """A collector that yields families already gathered (prometheus_client renders them)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def merge_expositions(texts: Sequence[tuple[str, str, str]]) -> bytes:
+    """Several engines' Prometheus texts (replica URL, model, text) as one exposition: each family once, its samples
+    from every engine, each labelled `replica` and `model` (vLLM's own `model_name` label stays as it is)."""
+    families: dict[str, Metric] = {}
+    for replica, model, text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labels = {**sample.labels, "replica": replica, "model": model}
+                merged.samples.append(sample._replace(labels=labels))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(list(families.values())))
+    return generate_latest(registry)

@@ -95,15 +95,71 @@ class GatewayMetrics:
         self.engine_errors = Counter(
             "nemotron_gateway_engine_errors",
             "Failures talking to the engine, by kind (refused, connection_lost, timeout, protocol, error_status, "
-            "mid_stream, frozen).",
-            ["kind"],
+            "mid_stream, frozen), by replica and the model it serves.",
+            ["replica", "model", "kind"],
             registry=r,
         )
         self.engine_up = Gauge(
             "nemotron_gateway_engine_up",
-            "1 when the gateway's last probe of the engine's /health succeeded, else 0.",
+            "1 while every model the gateway serves has a ready replica, else 0.",
             registry=r,
-            multiprocess_mode="livemin",  # several workers: 0 if any of them finds the engine down
+            multiprocess_mode="livemin",  # several workers: 0 if any of them finds a model without one
+        )
+        self.replica_up = Gauge(
+            "nemotron_gateway_replica_up",
+            "1 while the replica is ready (it answers /health, its model is known, it generates), else 0; by replica "
+            "(its URL) and the model it serves.",
+            ["replica", "model"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.replica_drained = Gauge(
+            "nemotron_gateway_replica_drained",
+            "1 while an operator has drained the replica (it takes no new requests), else 0.",
+            ["replica", "model"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.model_ready_replicas = Gauge(
+            "nemotron_gateway_model_ready_replicas",
+            "Ready, undrained replicas of each served model (0: the model cannot be served).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.replica_requests = Counter(
+            "nemotron_gateway_replica_requests",
+            "Requests sent to each replica, by the model, the replica and the answer's HTTP status.",
+            ["model", "replica", "status"],
+            registry=r,
+        )
+        self.replica_tokens = Counter(
+            "nemotron_gateway_replica_tokens",
+            "Tokens the replica reported, by model, replica and kind (prompt, completion).",
+            ["model", "replica", "kind"],
+            registry=r,
+        )
+        self.replica_time_to_first_token = Histogram(
+            "nemotron_gateway_replica_time_to_first_token_seconds",
+            "Seconds from the request's arrival to its first streamed chunk, by model and replica.",
+            ["model", "replica"],
+            registry=r,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.replica_inter_token_latency = Histogram(
+            "nemotron_gateway_replica_inter_token_latency_seconds",
+            "Mean time between two completion tokens of a stream, per stream, by model and replica.",
+            ["model", "replica"],
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.routed = Counter(
+            "nemotron_gateway_routed",
+            "Requests given a replica, by model and how it was picked (affinity: the conversation's replica; spill: "
+            "its replica was overloaded; least_loaded; round_robin; failover: tried again on another replica after "
+            "its first one refused it before the first byte).",
+            ["model", "how"],
+            registry=r,
         )
         self.redis_up = Gauge(
             "nemotron_gateway_redis_up",
@@ -177,23 +233,25 @@ class GatewayMetrics:
             "nemotron_gateway_admission_refused",
             "Requests refused before vLLM's queue, by priority tier (0: most urgent; NEMOTRON_ADMISSION__SHARES) and "
             "reason (waiting: 429, the tier's bound on waiting requests; kv_cache: 503, the KV-cache bound; "
-            "engine_queue: 503, vLLM's own --max-num-queued-reqs refused it, tier 'all').",
-            ["tier", "reason"],
+            "engine_queue: 503, vLLM's own --max-num-queued-reqs refused it, tier 'all'); by replica and the model "
+            "it serves.",
+            ["replica", "model", "tier", "reason"],
             registry=r,
         )
         self.engine_load = Gauge(
             "nemotron_gateway_engine_load",
             "The engine's load as this gateway last read it from vLLM's /metrics: waiting and running requests, "
-            "KV-cache use (0-1), requests finished per second (drain).",
-            ["figure"],
+            "KV-cache use (0-1), requests finished per second (drain); by replica and the model it serves.",
+            ["replica", "model", "figure"],
             registry=r,
             multiprocess_mode="mostrecent",
         )
         self.priority_sent = Counter(
             "nemotron_gateway_priority_sent",
             "Requests sent to the engine, by the priority tier they were admitted at and whether vLLM's `priority` "
-            "field went with them (sent: a priority-scheduling engine; dropped: FCFS).",
-            ["tier", "field"],
+            "field went with them (sent: a priority-scheduling engine; dropped: FCFS); by replica and the model it "
+            "serves.",
+            ["replica", "model", "tier", "field"],
             registry=r,
         )
         self.trace_spans_exported = Counter(
@@ -220,6 +278,27 @@ class GatewayMetrics:
             self.api_tokens.labels(api, "completion").inc(completion)
         if reasoning is not None:
             self.api_tokens.labels(api, "reasoning").inc(reasoning)
+
+    def count_replica(
+        self,
+        model: str,
+        replica: str,
+        status: int,
+        ttft: float | None,
+        prompt: int | None,
+        completion: int | None,
+        inter_token: float | None = None,
+    ) -> None:
+        """Count one request a replica answered: its status, time to first token, inter-token latency (a stream's)
+        and the tokens it reported."""
+        self.replica_requests.labels(model, replica, str(status)).inc()
+        if ttft is not None:
+            self.replica_time_to_first_token.labels(model, replica).observe(ttft)
+        if inter_token is not None:
+            self.replica_inter_token_latency.labels(model, replica).observe(inter_token)
+        if prompt is not None and completion is not None:
+            self.replica_tokens.labels(model, replica, "prompt").inc(prompt)
+            self.replica_tokens.labels(model, replica, "completion").inc(completion)
 
     def count_key(self, name: str, status: int, prompt: int | None, completion: int | None) -> None:
         """Count one request of key `name` (nothing when per-key labels are off)."""
@@ -413,12 +492,13 @@ class _SupervisorStatus(Protocol):
 
 
 SUPERVISOR_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping", "stopped", "failed")
-# RestartCause values (supervisor/state.py), as label values.
-EXIT_CAUSES = ("crash", "start_failed", "not_generating", "unresponsive")
+# RestartCause values (engine/supervisor_state.py), as label values.
+EXIT_CAUSES = ("crash", "start_failed", "not_generating", "unresponsive", "requested")
 
 
 class SupervisorMetrics:
-    """The engine supervisor's metrics (its own process, its own registry and port).
+    """The engine supervisor's metrics (its own process, its own registry and port), one series per managed replica
+    (label `replica`: its index; `0` for a single engine).
 
     Named `nemotron_supervisor_*`: the gateway's `nemotron_gateway_engine_up` is its own probe's view, this is
     the supervisor's, and one Prometheus scrapes both."""
@@ -429,51 +509,64 @@ class SupervisorMetrics:
         self.state = Gauge(
             "nemotron_supervisor_engine_state",
             "1 for the supervisor's current engine state, 0 for the others.",
-            ["state"],
+            ["replica", "state"],
             registry=r,
         )
-        self.up = Gauge("nemotron_supervisor_engine_up", "1 while the engine is ready, else 0.", registry=r)
+        self.up = Gauge(
+            "nemotron_supervisor_engine_up", "1 while the engine is ready, else 0.", ["replica"], registry=r
+        )
         self.restarts = Counter(
-            "nemotron_supervisor_engine_restarts", "Engine restarts since the supervisor started.", registry=r
+            "nemotron_supervisor_engine_restarts",
+            "Engine restarts since the supervisor started.",
+            ["replica"],
+            registry=r,
         )
         self.last_exit_code = Gauge(
             "nemotron_supervisor_engine_last_exit_code",
             "Exit code of the engine's last exit (-N: signal N).",
+            ["replica"],
             registry=r,
         )
         self.last_exit = Gauge(
             "nemotron_supervisor_engine_last_exit",
-            "1 for the cause of the engine's last unasked end (crash, start_failed, not_generating, unresponsive).",
-            ["cause"],
+            "1 for the cause of the engine's last end without a stop asked for (crash, start_failed, not_generating, "
+            "unresponsive, requested).",
+            ["replica", "cause"],
             registry=r,
         )
         self.startup_duration = Gauge(
             "nemotron_supervisor_engine_startup_duration_seconds",
             "Seconds the engine's last start took, from spawn to ready.",
+            ["replica"],
             registry=r,
         )
-        self._restarts_seen = 0
-        self._starting_since: float | None = None
+        # Per replica: restarts already counted, and since when its engine has been starting.
+        self._restarts_seen: dict[str, int] = {}
+        self._starting_since: dict[str, float] = {}
 
-    def observe(self, status: _SupervisorStatus) -> None:
-        """Export a status snapshot."""
+    def observe(self, status: _SupervisorStatus, replica: str = "0") -> None:
+        """Export a status snapshot of replica `replica`."""
         current = status.state.value
         for state in SUPERVISOR_STATES:
-            self.state.labels(state).set(1 if state == current else 0)
-        self.up.set(1 if current == "ready" else 0)
-        if status.restarts > self._restarts_seen:
-            self.restarts.inc(status.restarts - self._restarts_seen)
-            self._restarts_seen = status.restarts
+            self.state.labels(replica, state).set(1 if state == current else 0)
+        self.up.labels(replica).set(1 if current == "ready" else 0)
+        # A labelled counter has no series until touched: a replica that never restarted still shows its 0.
+        restarts = self.restarts.labels(replica)
+        seen = self._restarts_seen.get(replica, 0)
+        if status.restarts > seen:
+            restarts.inc(status.restarts - seen)
+            self._restarts_seen[replica] = status.restarts
         if status.last_exit_code is not None:
-            self.last_exit_code.set(status.last_exit_code)
+            self.last_exit_code.labels(replica).set(status.last_exit_code)
         if status.history:
             last = status.history[-1].cause.value.replace(" ", "_")
             for cause in EXIT_CAUSES:
-                self.last_exit.labels(cause).set(1 if cause == last else 0)
-        if current == "starting" and self._starting_since is None:
-            self._starting_since = status.since
-        elif current == "ready" and self._starting_since is not None:
-            self.startup_duration.set(status.since - self._starting_since)
-            self._starting_since = None
+                self.last_exit.labels(replica, cause).set(1 if cause == last else 0)
+        starting_since = self._starting_since.get(replica)
+        if current == "starting" and starting_since is None:
+            self._starting_since[replica] = status.since
+        elif current == "ready" and starting_since is not None:
+            self.startup_duration.labels(replica).set(status.since - starting_since)
+            del self._starting_since[replica]
         elif current != "starting":
-            self._starting_since = None
+            self._starting_since.pop(replica, None)

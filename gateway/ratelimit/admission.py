@@ -30,8 +30,11 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis.asyncio as redis_asyncio
+from prometheus_client import Counter
 
 from gateway.engine.supervisor_state import STATUS_FILE, launched_sequence_slots
 from gateway.errors import EngineBusyError, EngineQueueFullError, GatewayError, KeyStoreUnavailableError
@@ -163,21 +166,42 @@ def retry_after(waiting: float, bound: int, drain: float, settings: AdmissionSet
     return min(settings.max_retry_after, max(1.0, (waiting - bound + 1) / drain))
 
 
-def engine_id(settings: Settings) -> str:
-    """What names this engine in Redis: the setting, else this host and the engine URL (gateways on other hosts
-    share the counter only when they front the same engine and say so with NEMOTRON_ADMISSION__ENGINE_ID)."""
-    return settings.admission.engine_id or f"{socket.gethostname()}|{settings.engine_url}"
+def engine_id(settings: Settings, url: str | None = None) -> str:
+    """What names the engine at `url` (default: `engine_url`) in Redis: for `engine_url`, the setting where one is
+    given; else this host and the URL for an engine on this host (gateways on other hosts share the counter only
+    when they front the same engine and say so with NEMOTRON_ADMISSION__ENGINE_ID), and the URL alone for a replica
+    elsewhere (every gateway that routes to it names it alike)."""
+    url = url or settings.engine_url
+    if url == settings.engine_url and settings.admission.engine_id:
+        return settings.admission.engine_id
+    host = urlsplit(url).hostname or ""
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        return f"{socket.gethostname()}|{url}"
+    return url
 
 
 class EngineAdmission:
     """Admits a request against the engine's load (Redis), and publishes what the engine monitor scrapes."""
 
-    def __init__(self, redis: redis_asyncio.Redis, settings: Settings, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        redis: redis_asyncio.Redis,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        *,
+        url: str | None = None,
+        state_dir: Path | None = None,
+    ) -> None:
+        """The admission of the engine at `url` (default: `engine_url`), whose supervisor writes its status in
+        `state_dir` (None: `engine.state_dir` for `engine_url`, no status file for another engine)."""
         self._settings = settings.admission
         self._fail_open = settings.limits.fail_open
         self._metrics = metrics
         self._calls = RedisCalls(settings.redis, metrics)
-        name = engine_id(settings)
+        self.replica = url or settings.engine_url
+        # The model the engine serves, for the load gauges' label (the pool points this at its monitor's).
+        self.model_name: Callable[[], str] = lambda: ""
+        name = engine_id(settings, url)
         self._keys = [f"{_PREFIX}{{{name}}}:load", f"{_PREFIX}{{{name}}}:admitted"]
         self._admit = DirectScript(redis, ADMIT)
         self._publish = DirectScript(redis, PUBLISH)
@@ -191,21 +215,14 @@ class EngineAdmission:
         # other workers then admitted without any reserve (on the H200, 1,878 batch requests past 240 held).
         self._slots = self._settings.sequence_slots
         self._slots_read_at = -_SLOTS_REREAD
-        self._status_file = settings.engine.state_dir / STATUS_FILE
+        if state_dir is None and self.replica == settings.engine_url:
+            state_dir = settings.engine.state_dir
+        self._status_file = None if state_dir is None else state_dir / STATUS_FILE
         self._warned_slots = False
         self._ttl_ms = max(_MIN_TTL_MS, int(_SCRAPES_KEPT * settings.relay.probe_interval * 1000))
-        # Every tier's series exist from the start (at 0), so rates and the dashboard's panels have data; the
-        # sent counters are looked up once (labels() per request shows in a profile).
-        tiers = range(len(self._settings.shares))
-        for tier in tiers:
-            for reason in ("waiting", "kv_cache", "slots"):
-                metrics.admission_refused.labels(str(tier), reason)
-        self._sent = {
-            (tier, sent): metrics.priority_sent.labels(str(tier), "sent" if sent else "dropped")
-            for tier in tiers
-            for sent in (True, False)
-        }
-        metrics.admission_refused.labels("all", "engine_queue")
+        # The sent counters of each model the engine served, looked up once (labels() per request shows in a
+        # profile); made with every tier's refusal series, at 0, so rates and the dashboard's panels have data.
+        self._sent: dict[str, dict[tuple[int, bool], Counter]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -237,13 +254,13 @@ class EngineAdmission:
         drain = float(drain_text)
         tier = str(bounds.tier)
         if outcome == REFUSED_KV_CACHE:
-            self._metrics.admission_refused.labels(tier, "kv_cache").inc()
+            self._count_refused(tier, "kv_cache")
             raise EngineBusyError(
                 "The model engine's KV cache is full for this priority; retry shortly.",
                 retry_after=retry_after(1, 1, drain, self._settings),
             )
         if outcome == REFUSED_SLOTS:
-            self._metrics.admission_refused.labels(tier, "slots").inc()
+            self._count_refused(tier, "slots")
             held_bound = bounds.held or 1
             raise EngineQueueFullError(
                 f"The model engine's free sequence slots are kept for more urgent work ({int(waiting)} requests "
@@ -251,7 +268,7 @@ class EngineAdmission:
                 retry_after=retry_after(waiting, held_bound, drain, self._settings),
                 limit="engine_queue",
             )
-        self._metrics.admission_refused.labels(tier, "waiting").inc()
+        self._count_refused(tier, "waiting")
         bound = bounds.waiting or 1
         raise EngineQueueFullError(
             f"The model engine's queue is full for this priority ({int(waiting)} waiting, bound {bound}); "
@@ -262,11 +279,33 @@ class EngineAdmission:
 
     def count_sent(self, priority: int, *, sent: bool) -> None:
         """Count a request going to the engine at `priority`, with vLLM's `priority` field or without (FCFS)."""
-        self._sent[tier_of(priority, self._settings), sent].inc()
+        self._sent_counters()[tier_of(priority, self._settings), sent].inc()
 
-    async def observe(self, scrape: Callable[[], Awaitable[str]]) -> None:
+    def _sent_counters(self) -> dict[tuple[int, bool], Counter]:
+        """The sent counters of the model the engine serves now (the first time: its series, all at 0)."""
+        model = self.model_name()
+        counters = self._sent.get(model)
+        if counters is None:
+            metrics, replica, tiers = self._metrics, self.replica, range(len(self._settings.shares))
+            for tier in tiers:
+                for reason in ("waiting", "kv_cache", "slots"):
+                    metrics.admission_refused.labels(replica, model, str(tier), reason)
+            metrics.admission_refused.labels(replica, model, "all", "engine_queue")
+            counters = self._sent[model] = {
+                (tier, sent): metrics.priority_sent.labels(replica, model, str(tier), "sent" if sent else "dropped")
+                for tier in tiers
+                for sent in (True, False)
+            }
+        return counters
+
+    def _count_refused(self, tier: str, reason: str) -> None:
+        """Count a request refused before the engine's queue, at `tier` (`all`: by vLLM's own queue bound)."""
+        self._metrics.admission_refused.labels(self.replica, self.model_name(), tier, reason).inc()
+
+    async def observe(self, scrape: Callable[[], Awaitable[str]]) -> EngineLoad | None:
         """Scrape the engine's /metrics with `scrape` (the engine monitor's, on its interval), export its load and,
-        with a bound set, publish it; a failed scrape or Redis call is logged and leaves the last one to expire."""
+        with a bound set, publish it; the load read (None: none). A failed scrape or Redis call is logged and leaves
+        the last one to expire."""
         try:
             mark = await self.mark() if self.enabled else 0
             if self.enabled:
@@ -276,10 +315,12 @@ class EngineAdmission:
                 if not self._warned:
                     self._warned = True
                     logger.warning("the engine's /metrics has no vllm:num_requests_waiting; admission sees no load")
-                return
+                return None
             await self.publish(load, mark, time.monotonic())
+            return load
         except GatewayError as exc:
             logger.debug("engine load not published: %s", exc.message)
+            return None
 
     def _read_sequence_slots(self) -> None:
         """The launched engine's sequence slots from the supervisor's status file (a small local file, read in the
@@ -288,7 +329,7 @@ class EngineAdmission:
         if now - self._slots_read_at < _SLOTS_REREAD:
             return
         self._slots_read_at = now
-        self._slots = launched_sequence_slots(self._status_file)
+        self._slots = None if self._status_file is None else launched_sequence_slots(self._status_file)
         if self._slots is None and not self._warned_slots:
             self._warned_slots = True
             logger.warning(
@@ -309,13 +350,16 @@ class EngineAdmission:
             drain = max(0.0, (load.finished - self._last[1]) / (now - self._last[0]))
         self._last = (now, load.finished)
         self._drain = drain
+        model = self.model_name()
+        if model:
+            self._sent_counters()  # the model's series exist (at 0) from its first scrape
         for figure, value in (
             ("waiting", load.waiting),
             ("running", load.running),
             ("kv_cache_use", load.kv_cache_use),
             ("drain_per_second", drain),
         ):
-            self._metrics.engine_load.labels(figure).set(value)
+            self._metrics.engine_load.labels(self.replica, model, figure).set(value)
         if not self.enabled:
             return
         args: list[str | int] = [

@@ -78,10 +78,10 @@ class RequestLease:
         self, used_tokens: int | None, record: RequestRecord | None = None, *, served: bool = True
     ) -> None:
         """Reconcile the charge with `used_tokens` (None keeps the estimate, 0 refunds it), free the slot and record
-        the usage, by API, with the token detail the engine reported on `record`; a request not `served` (it never
-        reached the engine) is given back to the requests/min limit too and is not in the usage. Nothing before
-        `acquire`; idempotent; never raises for Redis. Returns once the release is on its way to Redis, ahead of
-        whatever the caller sends next (the answer), not once Redis has confirmed it (see `RedisRateLimiter`)."""
+        the usage, by API and model, with the token detail the engine reported on `record`; a request not `served`
+        (it never reached the engine) is given back to the requests/min limit too and is not in the usage. Nothing
+        before `acquire`; idempotent; never raises for Redis. Returns once the release is on its way to Redis, ahead
+        of whatever the caller sends next (the answer), not once Redis has confirmed it (see `RedisRateLimiter`)."""
         acquiring = self._acquiring
         if acquiring is not None:
             self._acquiring = None
@@ -99,5 +99,5 @@ class RequestLease:
             return
         detail = None
         if record is not None:
-            detail = TokenDetail(record.prompt_tokens, record.completion_tokens, record.reasoning_tokens)
+            detail = TokenDetail(record.prompt_tokens, record.completion_tokens, record.reasoning_tokens, record.model)
         await self._limiter.release(self._held, used_tokens, detail, served=served)

@@ -69,11 +69,13 @@ class EffectiveLimits:
 
 @dataclass(frozen=True, slots=True)
 class TokenDetail:
-    """A request's tokens as the engine reported them (None: not reported), for usage by API."""
+    """A request's tokens as the engine reported them (None: not reported) and the model that served it, for usage
+    by API and model."""
 
     prompt: int | None = None
     completion: int | None = None
     reasoning: int | None = None
+    model: str | None = None
 
 
 @dataclass(eq=False, slots=True)

@@ -63,6 +63,7 @@ from gateway.usage import (
     UsageReader,
     budget_keys,
     usage_day_key,
+    usage_label,
     usage_last_key,
     utc_now,
 )
@@ -360,7 +361,8 @@ class RedisRateLimiter:
         return await self._usage.usage(names, day)
 
     async def usage_by_api(self, names: Sequence[str], since: date, until: date | None = None) -> list[ApiUsage]:
-        """Each key's usage by UTC day and API from `since` to `until` (default today), days without use left out."""
+        """Each key's usage by UTC day, API and model from `since` to `until` (default today), days without use left
+        out."""
         return await self._usage.usage_by_api(names, since, until)
 
     async def _admit(
@@ -485,7 +487,7 @@ class RedisRateLimiter:
             used - lease.budget_charged,
             windows.day_left_ms,
             windows.month_left_ms,
-            lease.api,
+            usage_label(lease.api, detail.model),
             *(-1 if count is None else count for count in (detail.prompt, detail.completion, detail.reasoning)),
             lease.limits.requests_per_minute,
         ]

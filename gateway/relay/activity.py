@@ -2,9 +2,11 @@
 
 The relay records progress (a streamed chunk, a finished answer) as one monotonic timestamp, so a
 saturated engine whose /health answers late is still seen to work; it registers every exchange in
-flight, so the monitor can tell "idle" from "stalled" and end the exchanges of a stuck engine.
-Both are gateway-wide: the timestamp lives in the gateway's SharedEngineState and this worker's count of
-exchanges in its own slot there, so the one worker that probes judges by every worker's traffic.
+flight, so the monitor can tell "idle" from "stalled" and end the exchanges of a stuck engine; and it counts the
+requests picked for the engine that have not opened their exchange yet (`Picked`), so that the pool's picker, which
+reads both counts, sees a burst of requests arriving together as load from the moment each is picked.
+All are gateway-wide: the timestamp lives in the gateway's SharedEngineState and this worker's counts in its own
+slot there, so the one worker that probes judges by every worker's traffic.
 Imports the relay's shared state only.
 """
 
@@ -27,13 +29,14 @@ class Abortable(Protocol):
 class EngineActivity:
     """The last time the engine made progress (any worker), and the exchanges this worker has waiting on it."""
 
-    __slots__ = ("_in_flight", "_slot", "shared")
+    __slots__ = ("_in_flight", "_picked", "_slot", "shared")
 
     def __init__(self, shared: SharedEngineState | None = None) -> None:
         # A private record when none is given: one process, nothing shared (tests, a single worker).
         self.shared = shared or SharedEngineState()
         self._slot = self.shared.claim_slot()
         self._in_flight: set[Abortable] = set()
+        self._picked = 0
 
     @property
     def last_progress(self) -> float:
@@ -57,9 +60,14 @@ class EngineActivity:
         """Exchanges waiting on the engine now, in this worker."""
         return len(self._in_flight)
 
-    def begin(self, exchange: Abortable) -> None:
-        """`exchange` now waits on the engine."""
+    def begin(self, exchange: Abortable, picked: Picked | None = None) -> None:
+        """`exchange` now waits on the engine; `picked`: the pick it opens, no longer counted apart."""
         self._in_flight.add(exchange)
+        owner = picked.detach() if picked is not None else None
+        if owner is self:
+            self._picked -= 1  # published below with the exchange: one store of both counts
+        elif owner is not None:
+            owner._unpick()
         self._publish()
 
     def end(self, exchange: Abortable) -> None:
@@ -75,6 +83,36 @@ class EngineActivity:
             exchange.abort_frozen()
         return len(exchanges)
 
+    def picked(self) -> Picked:
+        """A request was picked for the engine: counted until it opens its exchange or will not (`Picked.release`)."""
+        self._picked += 1
+        self._publish()
+        return Picked(self)
+
+    def _unpick(self) -> None:
+        self._picked -= 1
+        self._publish()
+
     def _publish(self) -> None:
         if self._slot is not None:
-            self.shared.set_in_flight(self._slot, len(self._in_flight))
+            self.shared.set_in_flight(self._slot, len(self._in_flight), self._picked)
+
+
+class Picked:
+    """A request picked for an engine that has not opened its exchange yet (it may wait for admission first)."""
+
+    __slots__ = ("_activity",)
+
+    def __init__(self, activity: EngineActivity) -> None:
+        self._activity: EngineActivity | None = activity
+
+    def release(self) -> None:
+        """It opened its exchange (counted as in flight from then on), or never will (safe to call twice)."""
+        activity = self.detach()
+        if activity is not None:
+            activity._unpick()
+
+    def detach(self) -> EngineActivity | None:
+        """The activity it is counted on, no longer counting it (None: released already); the caller uncounts it."""
+        activity, self._activity = self._activity, None
+        return activity

@@ -115,13 +115,19 @@ class UpstreamResponse:
 class EngineClient:
     """Sends requests to the engine over one pool of keep-alive connections for the app's lifetime."""
 
-    def __init__(self, settings: Settings) -> None:
-        self._base_url = settings.engine_url
+    def __init__(self, settings: Settings, base_url: str | None = None) -> None:
+        """A client of the engine at `base_url` (default: `settings.engine_url`)."""
+        self._base_url = base_url or settings.engine_url
         self._relay = settings.relay
         self._retry_after = settings.relay.retry_after
         self._pool: http1.Pool | None = None
         auth = settings.engine_api_key
         self._auth_header = (("Authorization", f"Bearer {auth.get_secret_value()}"),) if auth is not None else ()
+
+    @property
+    def base_url(self) -> str:
+        """The engine's base URL."""
+        return self._base_url
 
     async def start(self) -> None:
         """Open the connection pool."""

@@ -33,7 +33,7 @@ from gateway.errors import (
     GatewayError,
 )
 from gateway.metrics.instruments import GatewayMetrics
-from gateway.relay.activity import EngineActivity
+from gateway.relay.activity import EngineActivity, Picked
 from gateway.relay.client import (
     ENGINE_KEY_MESSAGE,
     ENGINE_KEY_REFUSED,
@@ -124,7 +124,7 @@ class Settlement:
     answer, a failure before the request was sent).
     """
 
-    __slots__ = ("_after", "_errors", "_lease", "_record", "_settled")
+    __slots__ = ("_after", "_lease", "_record", "_settled", "errors")
 
     def __init__(
         self,
@@ -136,7 +136,7 @@ class Settlement:
         self._record = record
         self._lease = lease
         self._after = after
-        self._errors = errors
+        self.errors = errors  # the counters of the replica that answered (another after a failover)
         self._settled = False
 
     async def settle(self) -> None:
@@ -148,7 +148,7 @@ class Settlement:
         record.engine_ended_at = time.perf_counter()
         kind = record.engine_error
         if kind is not None:
-            self._errors[kind].inc()
+            self.errors[kind].inc()
         if self._lease is not None:
             used = record.total_tokens
             sent = record.engine_request_id is not None
@@ -211,6 +211,39 @@ async def _admitted(admitting: asyncio.Task[None], upstream: UpstreamResponse) -
         raise
 
 
+class Target(Protocol):
+    """The replica an exchange goes to (`pool.Replica`): its client, monitor, activity and error counters."""
+
+    @property
+    def url(self) -> str:
+        """Its base URL (its name in logs and metrics)."""
+        ...
+
+    @property
+    def client(self) -> EngineClient:
+        """Its connection pool."""
+        ...
+
+    @property
+    def monitor(self) -> EngineMonitor:
+        """Its readiness."""
+        ...
+
+    @property
+    def activity(self) -> EngineActivity:
+        """Its progress and exchanges in flight."""
+        ...
+
+    @property
+    def errors(self) -> Mapping[EngineErrorKind, Counter]:
+        """Its engine-failure counters, by kind."""
+        ...
+
+
+# Another replica of the exchange's model for a failover (None: there is none), given the one that refused.
+Retarget = Callable[[Any], Any]
+
+
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """One request's exchange as the route hands it over: what goes to the engine (`path`, `body`, `method`,
@@ -220,12 +253,15 @@ class Exchange:
     second task, else `receive` is read for it); and what it holds for the key (`lease`; `admitting`, the key's
     admission where it runs beside the exchange, `RequestLease.acquire_beside`; `after`, the route's own step once
     settled; `response_fields`, what the gateway sets on every Responses object the engine answers: the stored
-    state's `store` and `previous_response_id`, which the engine, called without its store, cannot know)."""
+    state's `store` and `previous_response_id`, which the engine, called without its store, cannot know); where it
+    goes (`target`, the replica picked; `picked`, the pick counted on it until the exchange opens; `retarget`,
+    another replica of its model for one failover)."""
 
     path: str
     body: bytes
     record: RequestRecord
     receive: Receive
+    target: Target
     stream: bool = False
     strip_usage: bool = False
     shape: WireShape = CHAT
@@ -236,26 +272,20 @@ class Exchange:
     admitting: asyncio.Task[None] | None = None
     after: AfterSettle | None = None
     response_fields: Mapping[str, Any] | None = None
+    retarget: Retarget | None = None
+    picked: Picked | None = None
+
+
+# The engine failures before its answer's first byte that another replica is tried for.
+_FAILOVER_ERRORS = (EngineRefusedError, EngineConnectionLostError)
 
 
 class EngineRelay:
     """Runs the exchange of one completion request with the engine (see the module docstring)."""
 
-    def __init__(
-        self,
-        client: EngineClient,
-        monitor: EngineMonitor,
-        activity: EngineActivity,
-        settings: RelaySettings,
-        metrics: GatewayMetrics,
-    ) -> None:
-        self._client = client
-        self._monitor = monitor
-        self._activity = activity
+    def __init__(self, settings: RelaySettings, metrics: GatewayMetrics) -> None:
         self._settings = settings
         self._metrics = metrics
-        # Labelled children looked up once, not per request.
-        self._errors = {kind: metrics.engine_errors.labels(kind.value) for kind in EngineErrorKind}
 
     async def forward(self, exchange: Exchange) -> ASGIApp:
         """Send the exchange's body to the engine: the answer as an ASGI app, or a GatewayError (5xx).
@@ -266,19 +296,12 @@ class EngineRelay:
         the stream ends, or on the error. The lease's headers (the key's rate-limit headers) go on the answer.
         """
         record, lease, admitting, shape = exchange.record, exchange.lease, exchange.admitting, exchange.shape
-        settlement = Settlement(record, lease, exchange.after, self._errors)
+        settlement = Settlement(record, lease, exchange.after, exchange.target.errors)
         try:
-            reading = self._open_and_read(
-                exchange.path,
-                exchange.body,
-                record,
-                read_body=not exchange.stream,
-                method=exchange.method,
-                headers=exchange.engine_headers,
-            )
+            reading = self._open_with_failover(exchange, settlement)
             if admitting is not None:
                 reading = _beside(admitting, reading)
-            upstream, answer = await run_until_disconnect(exchange.receive, reading, exchange.watch)
+            target, upstream, answer = await run_until_disconnect(exchange.receive, reading, exchange.watch)
             if admitting is not None:
                 await _admitted(admitting, upstream)
         except ClientDisconnectedError:
@@ -296,7 +319,7 @@ class EngineRelay:
             if upstream.status in ENGINE_KEY_REFUSED:  # the gateway's own key, not the client's: never a 401
                 raise EngineCredentialsError(ENGINE_KEY_MESSAGE, retry_after=self._settings.retry_after)
             if upstream.status == ENGINE_BUSY:  # vLLM's own queue bound (--max-num-queued-reqs): our envelope
-                self._metrics.admission_refused.labels("all", "engine_queue").inc()
+                self._metrics.admission_refused.labels(target.url, record.model or "", "all", "engine_queue").inc()
                 raise EngineBusyError(
                     "The model engine's queue is full; retry shortly.", retry_after=self._settings.retry_after
                 )
@@ -305,7 +328,7 @@ class EngineRelay:
             error_body = shape.engine_error_body(upstream.status, answer or b"")
             return BufferedAnswer(upstream.status, error_body, "application/json", headers)
         if answer is not None:
-            return await self._answered(upstream, answer, record, headers, settlement, exchange.response_fields)
+            return await self._answered(target, upstream, answer, record, headers, settlement, exchange.response_fields)
         return SSERelay(
             upstream,
             record,
@@ -315,12 +338,13 @@ class EngineRelay:
             shape=shape,
             headers=[(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
             settlement=settlement,
-            activity=self._activity,
+            activity=target.activity,
             response_fields=exchange.response_fields,
         )
 
     async def _answered(
         self,
+        target: Target,
         upstream: UpstreamResponse,
         answer: bytes,
         record: RequestRecord,
@@ -328,7 +352,7 @@ class EngineRelay:
         settlement: Settlement,
         response_fields: Mapping[str, Any] | None,
     ) -> BufferedAnswer:
-        self._activity.progress()
+        target.activity.progress()
         try:
             parsed = orjson.loads(answer)
         except orjson.JSONDecodeError:
@@ -343,8 +367,52 @@ class EngineRelay:
         await settlement.settle()
         return BufferedAnswer(200, answer, upstream.content_type, headers)
 
+    async def _open_with_failover(
+        self, exchange: Exchange, settlement: Settlement
+    ) -> tuple[Target, UpstreamResponse, bytes | None]:
+        """`_open_and_read` on the exchange's replica; when it refuses or resets the connection, or answers that its
+        queue is full, before anything was read of an answer, once more on another replica of the model (the
+        request is charged once: its lease is the same). The replica that answered, and its answer."""
+        target, record = exchange.target, exchange.record
+        for attempt in (1, 2):
+            retarget = exchange.retarget if attempt == 1 else None
+            try:
+                upstream, answer = await self._open_and_read(
+                    target,
+                    exchange.path,
+                    exchange.body,
+                    record,
+                    read_body=not exchange.stream,
+                    method=exchange.method,
+                    headers=exchange.engine_headers,
+                    picked=exchange.picked,
+                )
+            except _FAILOVER_ERRORS as refused:
+                other = retarget(target) if retarget is not None else None
+                if other is None:
+                    raise
+                kind = record.engine_error
+                if kind is not None:
+                    target.errors[kind].inc()  # the refusing replica's failure, counted where it happened
+                logger.warning("replica %s failed before its answer (%s): tried on %s", target.url, refused, other.url)
+            else:
+                if upstream.status != ENGINE_BUSY or retarget is None:
+                    return target, upstream, answer
+                other = retarget(target)
+                if other is None:
+                    return target, upstream, answer
+                upstream.close()
+                logger.info("replica %s answered that its queue is full: tried on %s", target.url, other.url)
+            record.engine_error = None
+            record.replica, record.routed = other.url, "failover"
+            self._metrics.routed.labels(record.model or "", "failover").inc()
+            target = other
+            settlement.errors = other.errors
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
     async def _open_and_read(
         self,
+        target: Target,
         path: str,
         body: bytes,
         record: RequestRecord,
@@ -352,25 +420,28 @@ class EngineRelay:
         read_body: bool,
         method: str = "POST",
         headers: Mapping[str, str] | None = None,
+        picked: Picked | None = None,
     ) -> tuple[UpstreamResponse, bytes | None]:
-        """Open the engine request and read its whole body (unless it is a stream that started well).
+        """Open the engine request on `target` and read its whole body (unless it is a stream that started well);
+        `picked`, the request's pick, is counted as its exchange from then on.
 
-        Engine failures are recorded on `record` by kind; a refused connection also marks the engine down.
+        Engine failures are recorded on `record` by kind; a refused connection also marks the replica down.
         """
         # The client's id stays the client's (echoed to it, logged); the engine gets one no one else can send.
         record.engine_request_id = f"{record.request_id}-{os.urandom(4).hex()}"
         waiter = _Waiter()
-        self._activity.begin(waiter)
+        activity = target.activity
+        activity.begin(waiter, picked)
         try:
-            upstream = await self._client.open(path, body, record.engine_request_id, method=method, headers=headers)
+            upstream = await target.client.open(path, body, record.engine_request_id, method=method, headers=headers)
             record.engine_connected_at, record.engine_answered_at = upstream.connected_at, time.perf_counter()
             if not read_body and upstream.status == 200:
                 return upstream, None
-            return upstream, await self._client.read_body(upstream)
+            return upstream, await target.client.read_body(upstream)
         except GatewayError as exc:
             record.engine_error = error_kind(exc)
             if record.engine_error is EngineErrorKind.REFUSED:
-                self._monitor.mark_refused()
+                target.monitor.mark_refused()
             logger.warning(
                 "engine request %s (client id %s) failed: %s", record.engine_request_id, record.request_id, exc.message
             )
@@ -385,4 +456,4 @@ class EngineRelay:
                 retry_after=self._settings.retry_after,
             ) from None
         finally:
-            self._activity.end(waiter)
+            activity.end(waiter)

@@ -65,7 +65,7 @@ MODEL_UNKNOWN = "model unknown"
 CONFIRM_WAIT = 0.5  # seconds a request waits for this worker to learn the model the prober found
 _FIRST_VERDICT_POLL = 0.05  # seconds between two looks at the shared record while a starting worker waits
 
-LoadObserver = Callable[[Callable[[], Awaitable[str]]], Awaitable[None]]
+LoadObserver = Callable[[Callable[[], Awaitable[str]]], Awaitable[object]]
 
 
 class EngineMonitor:
@@ -78,12 +78,16 @@ class EngineMonitor:
         metrics: GatewayMetrics,
         activity: EngineActivity,
         *,
-        state_dir: Path,
+        state_dir: Path | None,
         overrides: ModelOverrides | None = None,
         load_observer: LoadObserver | None = None,
+        replica: str = "",
+        on_change: Callable[[], None] | None = None,
     ) -> None:
-        """`state_dir`: where the engine supervisor writes its status file (the engine's scheduling policy);
-        `overrides`: what the operator set of the served model."""
+        """`state_dir`: where the engine supervisor writes its status file (the engine's scheduling policy; None for
+        an engine this host does not supervise: FCFS assumed); `overrides`: what the operator set of the served
+        model; `replica`: the engine's name in the metrics (its URL); `on_change`: called in this worker when the
+        verdict or the model it serves changes (the pool's gauges follow at once, not at its next tick)."""
         self._client = client
         self._overrides = overrides or ModelOverrides()
         self._relay = relay
@@ -102,13 +106,19 @@ class EngineMonitor:
         self._check_running: asyncio.Future[str | None] | None = None
         self._catching_up: asyncio.Future[None] | None = None
         self.model: ModelInfo | None = None
+        # The model it served when last up (kept while it is down): what a request for that model waits for.
+        self.last_model: ModelInfo | None = None
         self._model_epoch = -1  # the engine's epoch `model` was learned in
         # Whether the engine schedules by priority (its launcher's word; False when unknown: vLLM under FCFS
         # may refuse a non-zero `priority`).
         self.priority_scheduling = False
-        self._status_file = state_dir / STATUS_FILE
+        self._status_file = None if state_dir is None else state_dir / STATUS_FILE
+        self._replica = replica
+        self._named = ""  # the model name the replica's gauge was last set under (kept while it is down)
         self._policy_version: tuple[int, int] | None = (-1, -1)  # the status file's (inode, mtime) last read
         self._load_observer = load_observer
+        self._on_change = on_change
+        self._followed: tuple[str | None, str | None] = ("not probed yet", None)  # (readiness, model) last told
         self._task = BackgroundTask.every("engine-monitor", self._relay.probe_interval, self._tick)
 
     async def start(self) -> None:
@@ -141,6 +151,8 @@ class EngineMonitor:
         # Read (in a thread) only when the supervisor has rewritten the file (it replaces it: a new inode): every
         # worker looks on every tick, and a thread's round trip each time was a good part of an idle worker's CPU.
         # A stat of the local state file takes microseconds, so it runs on the loop.
+        if self._status_file is None:
+            return
         try:
             found = os.stat(self._status_file)
             version: tuple[int, int] | None = (found.st_ino, found.st_mtime_ns)
@@ -163,6 +175,11 @@ class EngineMonitor:
                 with contextlib.suppress(asyncio.CancelledError):
                     await running
         self._generation_probe = self._check_running = self._catching_up = None
+
+    @property
+    def probing(self) -> bool:
+        """Whether this worker holds the engine's probe turn now."""
+        return self._shared.holds_probe_turn(self._token)
 
     def ready_reason(self) -> str | None:
         """None when the engine is ready, else a short reason ("connection refused"); the shared verdict, no I/O."""
@@ -253,7 +270,7 @@ class EngineMonitor:
     async def _learn_model(self) -> int:
         try:
             listing = await self._client.get_json("/v1/models", self._relay.probe_timeout)
-            self.model = ModelInfo.from_listing(listing, self._overrides)
+            self.model = self.last_model = ModelInfo.from_listing(listing, self._overrides)
         except EngineCredentialsError as exc:
             logger.error("%s", exc.message)
             return KEY_REFUSED
@@ -271,6 +288,7 @@ class EngineMonitor:
                 self._model_epoch = epoch
         finally:
             self._catching_up = None
+        self._tell_change()
 
     def _judge_liveness(self, *, may_probe: bool = True) -> None:
         """The prober's: start a generation probe when the gateway has seen the engine quiet (`may_probe`);
@@ -350,4 +368,17 @@ class EngineMonitor:
             else:
                 logger.log(level, "engine is not ready: %s", reason)
             self._published = reason
-        self._metrics.engine_up.set(0 if reason else 1)
+        if self.model is not None and self.model.name != self._named:
+            if self._named:  # it serves another model now: its old series says so (a multiprocess series stays)
+                self._metrics.replica_up.labels(self._replica, self._named).set(0)
+            self._named = self.model.name
+        self._metrics.replica_up.labels(self._replica, self._named).set(0 if reason else 1)
+        self._tell_change()
+
+    def _tell_change(self) -> None:
+        """Call `on_change` when this worker's readiness or the model it knows changed since it last did."""
+        followed = (self.ready_reason(), None if self.model is None else self.model.name)
+        if followed != self._followed:
+            self._followed = followed
+            if self._on_change is not None:
+                self._on_change()

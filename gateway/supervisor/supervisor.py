@@ -29,6 +29,7 @@ from gateway.engine.launch import ENGINE_KEY_VARIABLE
 from gateway.engine.nvml import GpuReadings, read_gpus
 from gateway.engine.supervisor_state import (
     DATA_PARALLEL_FLAG,
+    RESTART_REQUEST_POLL,
     STATUS_FILE,
     TENSOR_PARALLEL_FLAG,
     EngineState,
@@ -38,6 +39,7 @@ from gateway.engine.supervisor_state import (
     parallel_size,
     scheduling_policy,
     sequence_slots,
+    take_restart_request,
 )
 from gateway.metrics.instruments import SupervisorMetrics
 from gateway.settings import EngineSettings
@@ -88,8 +90,9 @@ async def wait_gpu_memory_released(
 
 
 class EngineSupervisor:
-    """Keeps one engine running; `run()` returns the process exit code (0 stopped, 1 failed, 2 refused by the
-    preflight asked beside the first start)."""
+    """Keeps one engine (one replica) running; `run()` returns the process exit code (0 stopped, 1 failed, 2 refused
+    by the preflight asked beside the first start). An operator's restart request (a file in its state dir,
+    `request_restart`) restarts a ready engine within about `RESTART_REQUEST_POLL` s, outside the crash budget."""
 
     def __init__(
         self,
@@ -101,11 +104,14 @@ class EngineSupervisor:
         metrics: SupervisorMetrics | None = None,
         on_line: Callable[[str], None] | None = None,
         preflight: Callable[[], str | None] | None = None,
+        replica: int = 0,
+        name: str = "engine",
     ) -> None:
         """`preflight`, when given, is a slow check (vLLM's verdict on the argv: an import of vLLM, as the
         engine's own start is) run on a thread beside the first start; it answers why the start is refused, or
         None. The engine is reported READY only once it has passed; a refusal stops the engine and ends `run()`
-        with 2 (FAILED, the refusal as the reason)."""
+        with 2 (FAILED, the refusal as the reason). `replica` labels its metrics; `name` starts its log lines
+        (`engine 1` beside other replicas)."""
         self.settings = settings
         self.argv = argv
         self.env = dict(env)
@@ -116,6 +122,8 @@ class EngineSupervisor:
         self.status.tensor_parallel_size = parallel_size(argv, TENSOR_PARALLEL_FLAG)
         self.status.data_parallel_size = parallel_size(argv, DATA_PARALLEL_FLAG)
         self.metrics = metrics
+        self.replica = replica
+        self.name = name
         self._echo = on_line or _echo
         self.should_exit = asyncio.Event()
         self.force_exit = False
@@ -157,7 +165,7 @@ class EngineSupervisor:
     def _set_state(self, state: EngineState, reason: str | None = None) -> None:
         if state != self.status.state or reason != self.status.reason:
             log = logger.error if state in (EngineState.FAILED, EngineState.UNHEALTHY) else logger.info
-            log("engine %s%s", state.value, f": {reason}" if reason else "")
+            log("%s %s%s", self.name, state.value, f": {reason}" if reason else "")
         self.status.state = state
         self.status.reason = reason
         self.status.since = time.time()
@@ -165,7 +173,7 @@ class EngineSupervisor:
         self.status.engine_pid = self.process.command_pid if self.process else None
         self.status.write(self.settings.state_dir / STATUS_FILE)
         if self.metrics is not None:
-            self.metrics.observe(self.status)
+            self.metrics.observe(self.status, replica=str(self.replica))
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -174,6 +182,8 @@ class EngineSupervisor:
         preflight."""
         if self._preflight is not None:
             self._verdict = self._ask_beside_start(self._preflight)
+        if take_restart_request(self.settings.state_dir):
+            logger.info("%s: a restart request from before this supervisor started is dropped", self.name)
         async with httpx.AsyncClient(timeout=self.settings.probe_timeout) as client:
             while not self.should_exit.is_set():
                 ended = await self._run_once(client)
@@ -220,7 +230,7 @@ class EngineSupervisor:
         """Wait for the preflight asked beside the start (or a stop); whether the engine may be reported READY."""
         if self._verdict is None or self._verdict.done():
             return self.refused is None
-        logger.info("engine ready; waiting for vLLM's verdict on its configuration")
+        logger.info("%s ready; waiting for vLLM's verdict on its configuration", self.name)
         stop = asyncio.ensure_future(self.should_exit.wait())
         try:
             await asyncio.wait((self._verdict, stop), return_when=asyncio.FIRST_COMPLETED)
@@ -262,11 +272,13 @@ class EngineSupervisor:
                 why = f"not ready after {self.settings.startup_timeout:.0f} s"
                 return self._ended(RestartCause.START_FAILED, why, show_tail=True)
             if now >= next_progress:
-                logger.info("engine starting: %.0f s elapsed; last line: %s", now - started, self.process.last_line)
+                logger.info(
+                    "%s starting: %.0f s elapsed; last line: %s", self.name, now - started, self.process.last_line
+                )
                 next_progress = now + _PROGRESS_EVERY
             self.process.sample_shared_memory()
             if await self._probe(client) is None:
-                logger.info("engine ready after %.1f s", time.monotonic() - started)
+                logger.info("%s ready after %.1f s", self.name, time.monotonic() - started)
                 return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.should_exit.wait(), _READY_POLL)
@@ -282,11 +294,14 @@ class EngineSupervisor:
         self.process.sample_shared_memory()
         members = self._watch_members()
         lost: asyncio.Future[int] = asyncio.ensure_future(members.first_exit())
+        requested: asyncio.Future[None] = asyncio.ensure_future(self._restart_requested())
         sample_at = time.monotonic() + _SHM_SAMPLE_EVERY
         try:
             while True:
                 done, _ = await asyncio.wait(
-                    (exited, stop, lost), timeout=self.settings.health_interval, return_when=asyncio.FIRST_COMPLETED
+                    (exited, stop, lost, requested),
+                    timeout=self.settings.health_interval,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if not done and time.monotonic() >= sample_at:
                     self.process.sample_shared_memory()
@@ -299,9 +314,14 @@ class EngineSupervisor:
                 # The check races the exit and the stop: a probe waiting on a frozen engine must not delay either.
                 check = asyncio.ensure_future(liveness.check()) if not done else None
                 if check is not None:
-                    done, _ = await asyncio.wait((exited, stop, check, lost), return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait(
+                        (exited, stop, check, lost, requested), return_when=asyncio.FIRST_COMPLETED
+                    )
                 if stop in done:
                     return None
+                if requested in done and not exited.done():
+                    logger.info("%s: restart requested by an operator", self.name)
+                    return RestartRecord(at=time.time(), cause=RestartCause.REQUESTED, reason="an operator's request")
                 if lost in done and not exited.done():
                     # vLLM itself ended (its reaper reports the code once the rest of the group is down, within the
                     # grace), or it may notice a lost helper and exit by itself: either way its exit code says more.
@@ -338,10 +358,16 @@ class EngineSupervisor:
                 if verdict.failed or liveness.stalled_for > self.settings.stall_timeout / 2:
                     self._set_state(EngineState.UNHEALTHY, verdict.problem)
         finally:
-            for future in (stop, exited, check, lost):
+            for future in (stop, exited, check, lost, requested):
                 if future is not None and not future.done():
                     future.cancel()
             members.close()
+
+    async def _restart_requested(self) -> None:
+        """Until an operator's restart request appears in the state dir (and is taken). Polled: the request is a
+        file another process writes, with no event to wait on."""
+        while not take_restart_request(self.settings.state_dir):  # noqa: ASYNC110 - a file, not an in-process event
+            await asyncio.sleep(RESTART_REQUEST_POLL)
 
     def _member_pids(self) -> list[int]:
         """vLLM and every process it started (its reaper left out)."""
@@ -377,13 +403,19 @@ class EngineSupervisor:
         if code is not None:
             self.status.last_exit_code = code
         if show_tail and self.process.tail:
-            logger.error("last engine output:\n%s", "\n".join(list(self.process.tail)[-40:]))
+            logger.error("last %s output:\n%s", self.name, "\n".join(list(self.process.tail)[-40:]))
         reason = f"{what} (exit code {code})" if code is not None else what
         return RestartRecord(at=time.time(), cause=cause, reason=reason, exit_code=code)
 
     async def _after_crash(self, ended: RestartRecord) -> bool:
-        """Count the crash; False when the budget is spent (FAILED), else wait the backoff (RESTARTING)."""
+        """Count the crash; False when the budget is spent (FAILED), else wait the backoff (RESTARTING). A
+        requested restart is no crash: the engine is stopped and started again at once."""
         self.status.record_restart(ended)
+        if ended.cause is RestartCause.REQUESTED:
+            await self._stop()
+            self.status.restarts += 1
+            self._set_state(EngineState.RESTARTING, f"restart {self.status.restarts} requested by an operator")
+            return True
         reason = f"{ended.cause.value}: {ended.reason}"
         now = time.monotonic()
         self._crashes.append(now)

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -69,6 +70,12 @@ _OPERATIONS = {
 # and Messages streams carry theirs in events the relay parses anyway), or every data line when text is captured.
 FINISH_MARKS: Final = (b'"finish_reason":"',)
 CONTENT_MARKS: Final = (b"data:",)
+
+
+def engine_address(url: str) -> tuple[str, int]:
+    """An engine URL's host and port, as the engine span's `server.address` and `server.port` name them."""
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,11 +279,14 @@ class RequestTrace:
         marks = [("connected", record.engine_connected_at), ("first_byte", record.engine_answered_at)]
         if record.engine_error is None and record.engine_ended_at is not None:
             marks.append(("last_byte", record.engine_ended_at))
-        attributes: dict[str, Any] = {
-            "http.request.method": "POST",
-            "server.address": destination.engine_host,
-            "server.port": destination.engine_port,
-        }
+        host, port = (
+            (destination.engine_host, destination.engine_port)
+            if record.replica is None
+            else engine_address(record.replica)
+        )
+        attributes: dict[str, Any] = {"http.request.method": "POST", "server.address": host, "server.port": port}
+        if record.replica is not None:  # the replica that answered (the last one tried, after a failover)
+            attributes["nemotron.replica"] = record.replica
         if record.engine_request_id is not None:
             attributes["nemotron.engine_request_id"] = record.engine_request_id
         kind = record.engine_error

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
-from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -35,7 +34,7 @@ from gateway.metrics.instruments import GatewayMetrics
 from gateway.settings import Settings, TracingSettings, otel_variables
 from gateway.tracing.export import SpanBatcher
 from gateway.tracing.otlp import OtlpTraces
-from gateway.tracing.request import Destination, RequestTrace
+from gateway.tracing.request import Destination, RequestTrace, engine_address
 
 # What the sampler sees for a request without a parent: an empty context (never the process's current one).
 _NO_PARENT = Context()
@@ -72,12 +71,12 @@ class Tracer:
         self._batcher = SpanBatcher(exporter or OTLPSpanExporter(endpoint=otlp.endpoint), otlp, metrics)
         self._clock, self._wall = clock, wall
         self._stop_timeout = min(otlp.export_timeout, STOP_TIMEOUT)
-        engine = urlsplit(engine_url)
+        engine_host, engine_port = engine_address(engine_url)
         self._destination = Destination(
             resource=Resource.create({"service.name": otlp.service_name, "service.version": __version__}),
             scope=InstrumentationScope("nemotron-gateway", __version__),
-            engine_host=engine.hostname or "",
-            engine_port=engine.port or (443 if engine.scheme == "https" else 80),
+            engine_host=engine_host,
+            engine_port=engine_port,
             capture_content=settings.capture_content,
             export=self._batcher.add,
             new_span_id=self._ids.generate_span_id,

@@ -162,6 +162,11 @@ def test_units_pass_systemd_analyze_verify_and_security(box: Container, key: str
         assert score <= before, f"{unit} exposure {score} is worse than before ({before})"
     assert box.show("nemotron-gateway.service", "NoNewPrivileges") == "yes"
     assert box.show("nemotron-engine.service", "LimitNOFILE") == "65536"
+    # The per-replica template: installed, not enabled; an instance is its replica, hardened as the single engine.
+    assert "NEMOTRON_ENGINE__REPLICA=1" in box.show("nemotron-engine@1.service", "Environment")
+    for prop in ("NoNewPrivileges", "ProtectSystem", "DevicePolicy", "KillMode", "LimitNOFILE"):
+        assert box.show("nemotron-engine@1.service", prop) == box.show("nemotron-engine.service", prop), prop
+    assert box.show("nemotron-engine@1.service", "UnitFileState") in ("disabled", "indirect")
     # Not supported, and says so, instead of doing something half-way.
     assert box.run("systemctl reload nemotron-gateway", check=False).returncode != 0
     assert box.show("nemotron-gateway.service", "ActiveState") == "active"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.procs import REPO_ROOT, ServerProcess
+from tests.procs import REPO_ROOT, ServerProcess, free_port
 
 FAKE_LAUNCHER = [sys.executable, "-m", "tests.fakes.fake_engine", "serve"]
 
@@ -101,3 +102,27 @@ def start_supervisor(
         port=port,
     )
     return proc.start()
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1 that nothing listens on now (a base port whose
+    replicas take the ones after it)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count <= 65535 and all(port_free(base + offset) for offset in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def replica_status(state_dir: Path, index: int) -> dict[str, object]:
+    """The status file of replica `index` of the supervisor whose state dir is `state_dir`."""
+    return status(state_dir if index == 0 else state_dir / f"replica-{index}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -99,7 +100,9 @@ def test_a_priority_engine_gets_the_keys_priority_and_a_client_can_only_ask_for_
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "priority"
         metrics = httpx.get(f"{gateway_url}/metrics").text
-        assert 'nemotron_gateway_priority_sent_total{field="sent",tier="2"} 3.0' in metrics
+        assert re.search(
+            r'nemotron_gateway_priority_sent_total\{field="sent",model="[^"]+",replica="[^"]+",tier="2"\} 3\.0', metrics
+        )
 
 
 def test_an_fcfs_engine_never_gets_a_priority(tmp_path: Path, redis_url: str) -> None:
@@ -114,7 +117,10 @@ def test_an_fcfs_engine_never_gets_a_priority(tmp_path: Path, redis_url: str) ->
         assert response.status_code == 200, response.text
         assert received_priority(engine_url, request_id) == "absent"
         metrics = httpx.get(f"{gateway_url}/metrics").text
-        assert 'nemotron_gateway_priority_sent_total{field="dropped",tier="2"} 1.0' in metrics
+        assert re.search(
+            r'nemotron_gateway_priority_sent_total\{field="dropped",model="[^"]+",replica="[^"]+",tier="2"\} 1\.0',
+            metrics,
+        )
 
 
 async def _burst(gateway_url: str, headers: dict[str, str], count: int, **extra: Any) -> list[httpx.Response]:
@@ -156,8 +162,12 @@ def test_admission_refuses_lowest_priority_first_exactly_across_two_workers(tmp_
         peak = httpx.get(f"{engine_url}/_test/stats").json()["peak_waiting"]
         assert peak <= 4
         metrics = httpx.get(f"{gateway_url}/metrics").text
-        assert 'nemotron_gateway_admission_refused_total{reason="waiting",tier="1"}' in metrics
-        assert 'nemotron_gateway_engine_load{figure="waiting"}' in metrics
+        assert re.search(
+            r'nemotron_gateway_admission_refused_total\{model="[^"]+",reason="waiting",replica="[^"]+",tier="1"\} '
+            r"[1-9]",
+            metrics,
+        )
+        assert re.search(r'nemotron_gateway_engine_load\{figure="waiting",model="[^"]*",replica="[^"]+"\}', metrics)
 
 
 # The batch tier's requests would hold their sequence slots for longer than an urgent client waits: an urgent
@@ -235,7 +245,10 @@ def test_reserved_slots_let_the_most_urgent_tier_start_at_once_while_lower_tiers
     assert [r.status_code for r in outcome.refused] == [429] * len(outcome.refused)
     error = outcome.refused[0].json()["error"]
     assert error["code"] == "engine_queue_full" and "sequence slots" in error["message"]
-    assert 'nemotron_gateway_admission_refused_total{reason="slots",tier="2"}' in outcome.metrics
+    assert re.search(
+        r'nemotron_gateway_admission_refused_total\{model="[^"]+",reason="slots",replica="[^"]+",tier="2"\} [1-9]',
+        outcome.metrics,
+    )
 
 
 @pytest.mark.perf

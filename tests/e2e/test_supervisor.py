@@ -163,8 +163,8 @@ def test_supervisor_metrics(state_dir: Path) -> None:
     port, metrics_port = free_port(), free_port()
     with start_supervisor(state_dir, port, NEMOTRON_ENGINE__METRICS_PORT=str(metrics_port)):
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
-    assert 'nemotron_supervisor_engine_state{state="ready"} 1.0' in text
-    assert "nemotron_supervisor_engine_up 1.0" in text
+    assert 'nemotron_supervisor_engine_state{replica="0",state="ready"} 1.0' in text
+    assert 'nemotron_supervisor_engine_up{replica="0"} 1.0' in text
 
 
 def test_up_serves_survives_an_engine_crash_and_stops_cleanly(

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.engine.supervisor_state import EngineState
 from gateway.settings import Settings
-from gateway.supervisor.cli import _build_supervisor
+from gateway.supervisor.cli import _build_replicas
 from gateway.supervisor.process import GuardedProcess
 from tests.e2e.supervised import engine_env
 from tests.procs import async_wait_until, free_port
@@ -32,7 +32,7 @@ async def test_a_ready_engine_is_checked_often_and_its_shared_memory_sampled_rar
         sample(process)
 
     monkeypatch.setattr(GuardedProcess, "sample_shared_memory", counted)
-    supervisor = _build_supervisor(Settings())
+    (supervisor,) = _build_replicas(Settings()).supervisors
     running = asyncio.create_task(supervisor.run())
     try:
         await async_wait_until(lambda: supervisor.status.state == EngineState.READY, within=30)

@@ -109,6 +109,13 @@ def engine_core_pid(root: int) -> int | None:
     return None
 
 
+def vllm_server_pid(guard_pid: int) -> int:
+    """The `vllm serve` process of a supervisor's engine: the only child of its guard (`group_pid` in its status)."""
+    children = Path(f"/proc/{guard_pid}/task/{guard_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
 @contextlib.contextmanager
 def running_up(
     env: dict[str, str],

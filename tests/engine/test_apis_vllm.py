@@ -33,6 +33,7 @@ from tests.engine.stacks import (
     running_up,
     tokens_generated_since,
     up_settings,
+    vllm_server_pid,
 )
 from tests.engine.test_nemotron_presets import OPERATOR_PRESETS, _plugin_path, _token_id
 from tests.procs import REPO_ROOT, ServerProcess, free_port, wait_until
@@ -321,10 +322,7 @@ def _client(port: int, key: str) -> openai.OpenAI:
 
 def _vllm_server_pid() -> int:
     # The supervisor's status file names the engine's process group leader (its guard), whose one child is vLLM.
-    guard = int(json.loads((STATE_DIR / "engine.json").read_text())["group_pid"])
-    children = Path(f"/proc/{guard}/task/{guard}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
+    return vllm_server_pid(int(json.loads((STATE_DIR / "engine.json").read_text())["group_pid"]))
 
 
 def test_a_chain_with_a_function_call_outlives_a_killed_engine_and_continues_on_a_new_gateway(

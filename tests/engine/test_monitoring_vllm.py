@@ -151,10 +151,18 @@ def test_a_priority_5_key_is_served_by_vllm_under_priority_scheduling(stack: Sta
         )
         assert direct.status_code == 200, direct.text
         metrics = httpx.get(f"{stack.gateway}/metrics", timeout=10).text
-        assert re.search(r'^nemotron_gateway_priority_sent_total\{field="sent",tier="2"\} [1-9]', metrics, re.M)
+        assert re.search(
+            r'^nemotron_gateway_priority_sent_total\{field="sent",model="nemotron",replica="[^"]+",tier="2"\} [1-9]',
+            metrics,
+            re.M,
+        )
         # The engine's load as vLLM's own gauges say, published by the monitor's scrape.
         wait_until(
-            lambda: 'nemotron_gateway_engine_load{figure="running"}' in httpx.get(f"{stack.gateway}/metrics").text,
+            lambda: re.search(
+                r'^nemotron_gateway_engine_load\{[^}]*figure="running"',
+                httpx.get(f"{stack.gateway}/metrics").text,
+                re.M,
+            ),
             timeout=10,
         )
     finally:

@@ -35,6 +35,7 @@ from tests.engine.stacks import (
     running_up,
     tokens_generated_since,
     up_settings,
+    vllm_server_pid,
 )
 from tests.procs import ServerProcess, free_port, wait_until
 
@@ -194,7 +195,11 @@ def test_an_fcfs_engine_gets_no_priority_from_the_gateway(stack: Stack) -> None:
         response = httpx.post(f"{stack.gateway}/v1/completions", json=body, headers=headers, timeout=120)
         assert response.status_code == 200, response.text
         metrics = httpx.get(f"{stack.gateway}/metrics", timeout=10).text
-        assert re.search(r'^nemotron_gateway_priority_sent_total\{field="dropped",tier="2"\} [1-9]', metrics, re.M)
+        assert re.search(
+            r'^nemotron_gateway_priority_sent_total\{field="dropped",model="nemotron",replica="[^"]+",tier="2"\} [1-9]',
+            metrics,
+            re.M,
+        )
         # Sent directly, the installed vLLM (0.32) takes a non-zero priority under FCFS and ignores it; vLLM's
         # older engine refused it ("Got priority 5 but Priority scheduling is not enabled."), which is why the
         # gateway never sends one to an FCFS engine.
@@ -244,12 +249,6 @@ def test_client_disconnect_aborts_the_generation_in_vllm(stack: Stack) -> None:
             )
     wait_until(lambda: stack.running_in_vllm() == 0, timeout=5, message="vLLM kept a non-streamed request running")
     wait_until(lambda: stack.proc.log_text().count("aborted") > aborted_before, timeout=5)
-
-
-def _vllm_server_pid(guard_pid: int) -> int:
-    children = Path(f"/proc/{guard_pid}/task/{guard_pid}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
 
 
 # The gateway's defaults (RelaySettings) with this stack's probe interval: idle bound =
@@ -337,7 +336,7 @@ def _shm_inodes_now() -> set[int]:
 def test_killed_engine_gives_503s_then_is_restarted_and_serves(stack: Stack) -> None:
     guard = int(str(stack.status()["group_pid"]))
     restarts = int(str(stack.status()["restarts"]))  # the frozen-core test's restart came before
-    os.kill(_vllm_server_pid(guard), signal.SIGKILL)
+    os.kill(vllm_server_pid(guard), signal.SIGKILL)
     wait_until(lambda: httpx.get(f"{stack.gateway}/ready").status_code == 503, timeout=10)
     with stack.sdk() as sdk:
         with pytest.raises(openai.InternalServerError) as down:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -442,6 +443,10 @@ class FakeEngine:
         # vLLM's /metrics: tokens generated so far. Generation proceeds while `unfrozen` is set (a frozen
         # EngineCore: /health still 200, no token); `api_frozen` also hangs /metrics (a stopped API server).
         self.generated_tokens = 0
+        # vLLM's prefix-cache counters, in prompt tokens (`_count_prefix_cache`), and the prefixes it holds.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._cached_prefixes: set[str] = set()
         self.unfrozen = asyncio.Event()
         self.unfrozen.set()
         self.api_frozen = False
@@ -521,8 +526,8 @@ class FakeEngine:
         await exchange.send_empty(self.health.status)  # vLLM: a bare Response(status_code=...)
 
     async def _metrics(self, exchange: Exchange) -> None:
-        """vLLM's Prometheus names for the two figures the supervisor reads, and the queue and KV-cache gauges
-        the shipped dashboard shows (each running request holds an eighth of the cache here)."""
+        """vLLM's Prometheus names for the two figures the supervisor reads, and the queue, KV-cache and prefix-cache
+        figures the shipped dashboard shows (each running request holds an eighth of the cache here)."""
         self.stats.metrics_scrapes += 1
         if self.api_frozen:
             await exchange.gone.wait()
@@ -539,6 +544,8 @@ class FakeEngine:
             f"vllm:num_requests_running{labels} {float(self.stats.active_requests - self.waiting)}\n"
             f"vllm:num_requests_waiting{labels} {waiting}\n"
             f"vllm:kv_cache_usage_perc{labels} {kv_cache}\n"
+            f"vllm:prefix_cache_queries_total{labels} {float(self.prefix_cache_queries)}\n"
+            f"vllm:prefix_cache_hits_total{labels} {float(self.prefix_cache_hits)}\n"
             f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{self.model}"}} '
             f"{float(self.stats.completed)}\n"
         ).encode()
@@ -686,6 +693,7 @@ class FakeEngine:
             return
         asked = _max_tokens(body)
         prompt_tokens = count_prompt_tokens(record.path, body)
+        self._count_prefix_cache(record.path, body, prompt_tokens)
         eos_after = body.get("fake_eos_after")
         if eos_after is None and asked is not None and prompt_tokens + asked >= self.max_model_len * 3 // 4:
             # Asked for (nearly) the rest of the context, as a gateway caps a request that left its length to the
@@ -707,6 +715,24 @@ class FakeEngine:
             await self._stream(exchange, record, completion, faults)
         else:
             await self._respond(exchange, record, completion, faults)
+
+    def _count_prefix_cache(self, path: str, body: dict[str, Any], prompt_tokens: int) -> None:
+        """vLLM's prefix-cache counters for one prompt: every prompt token is queried; a chat prompt's hits are the
+        tokens of its longest run of leading messages this engine has seen before (whole messages: vLLM caches
+        blocks of tokens, so a turn that repeats an earlier conversation's messages hits about as much)."""
+        self.prefix_cache_queries += prompt_tokens
+        messages = body.get("messages") if _api_of(path) == "chat" else None
+        if not isinstance(messages, list):
+            return
+        keys = [
+            hashlib.sha256(json.dumps(messages[:n], sort_keys=True).encode()).hexdigest()
+            for n in range(1, len(messages) + 1)
+        ]
+        for n in range(len(keys), 0, -1):
+            if keys[n - 1] in self._cached_prefixes:
+                self.prefix_cache_hits += count_prompt_tokens(path, {"messages": messages[:n]})
+                break
+        self._cached_prefixes.update(keys)
 
     def _validate(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, str] | None:
         """The checks vLLM makes before generating: model name, priority under FCFS, context length."""
@@ -827,13 +853,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "without unlinking it, leaving only the resource tracker knowing its name; its path is written to PATH",
     )
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
+    parser.add_argument("--max-num-seqs", type=int)
     if argv[:1] != ["serve"]:
         return parser.parse_args(argv)
     # `serve --model M --served-model-name N ...`: the shape the supervisor gives `vllm serve`; other vLLM
     # flags are accepted and ignored.
     parser.add_argument("--served-model-name")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
-    parser.add_argument("--max-num-seqs", type=int)
     args, _ = parser.parse_known_args(argv[1:])
     args.model = args.served_model_name or args.model
     return args
@@ -881,8 +907,8 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model,
         max_model_len=args.max_model_len,
         api_key=os.environ.get("VLLM_API_KEY"),
-        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
-        max_num_seqs=getattr(args, "max_num_seqs", None),
+        scheduling_policy=args.scheduling_policy,
+        max_num_seqs=args.max_num_seqs,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, interface="asgi3", log_level=args.log_level, access_log=False

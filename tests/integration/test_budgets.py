@@ -199,23 +199,36 @@ async def test_usage_is_recorded_by_day_and_api(processes: Processes) -> None:
     limiter = processes.limiter(clock)
     key = _key(daily=10_000)
     for api, used, detail in (
-        ("/v1/chat/completions", 12, TokenDetail(3, 9, 4)),
-        ("/v1/chat/completions", 8, TokenDetail(2, 6, None)),
-        ("/v1/completions", 5, TokenDetail(1, 4, None)),
+        ("/v1/chat/completions", 12, TokenDetail(3, 9, 4, "nano")),
+        ("/v1/chat/completions", 8, TokenDetail(2, 6, None, "nano")),
+        ("/v1/chat/completions", 7, TokenDetail(3, 4, None, "super/v1.5")),  # another model: a row of its own
+        ("/v1/completions", 5, TokenDetail(1, 4, None)),  # no model named: billed under ""
     ):
         await limiter.release(await limiter.acquire(key, 50, api), used, detail)
     clock.now += timedelta(seconds=2)  # 2 December (UTC)
-    await limiter.release(await limiter.acquire(key, 50, "/v1/responses"), 30, TokenDetail(10, 20, 15))
+    await limiter.release(await limiter.acquire(key, 50, "/v1/responses"), 30, TokenDetail(10, 20, 15, "nano"))
     rows = await limiter.usage_by_api([key.name], date(2026, 11, 30))
     got = [
-        (r.day.isoformat(), r.api, r.requests, r.tokens, r.prompt_tokens, r.completion_tokens, r.reasoning_tokens)
+        (
+            r.day.isoformat(),
+            r.api,
+            r.model,
+            r.requests,
+            r.tokens,
+            r.prompt_tokens,
+            r.completion_tokens,
+            r.reasoning_tokens,
+        )
         for r in rows
     ]
     assert got == [
-        ("2026-12-01", "/v1/chat/completions", 2, 20, 5, 15, 4),
-        ("2026-12-01", "/v1/completions", 1, 5, 1, 4, 0),
-        ("2026-12-02", "/v1/responses", 1, 30, 10, 20, 15),
+        ("2026-12-01", "/v1/chat/completions", "nano", 2, 20, 5, 15, 4),
+        ("2026-12-01", "/v1/chat/completions", "super/v1.5", 1, 7, 3, 4, 0),
+        ("2026-12-01", "/v1/completions", "", 1, 5, 1, 4, 0),
+        ("2026-12-02", "/v1/responses", "nano", 1, 30, 10, 20, 15),
     ]
+    # The day's totals stay whole across models.
+    assert (await limiter.usage([key.name], date(2026, 12, 1)))[key.name].requests == 4
     ttl = await processes._clients[0].ttl(f"nemotron:usage:{{{key.name}}}:20261202")
     assert 399 * 86_400 < ttl <= 400 * 86_400  # NEMOTRON_LIMITS__USAGE_RETENTION_DAYS, default 400
 

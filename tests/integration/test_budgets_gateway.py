@@ -178,15 +178,16 @@ def test_usage_cli_reports_requests_and_tokens_by_day_and_api(urls: list[str], r
     today = datetime.now(UTC).date().isoformat()
     by_api = {row["api"]: row for row in rows}
     assert set(by_api) == {"completions", "chat"}
+    assert {row["model"] for row in rows} == {"nemotron-test"}, "each row names the model that served it"
     completions = by_api["completions"]
     assert completions["day"] == today and completions["key"] == "billed"
     assert (completions["requests"], completions["prompt_tokens"], completions["completion_tokens"]) == (2, 6, 10)
     assert completions["tokens"] == 16
     assert by_api["chat"]["requests"] == 2 and by_api["chat"]["completion_tokens"] == 8
     parsed = list(csv.DictReader(io.StringIO(as_csv.stdout)))
-    assert {(row["key"], row["api"], row["requests"]) for row in parsed} == {
-        ("billed", "completions", "2"),
-        ("billed", "chat", "2"),
+    assert {(row["key"], row["api"], row["model"], row["requests"]) for row in parsed} == {
+        ("billed", "completions", "nemotron-test", "2"),
+        ("billed", "chat", "nemotron-test", "2"),
     }
     assert table.returncode == 0 and "chat" in table.stdout and today in table.stdout
     (bad,) = keys_cli(redis_clean, ["usage", "--since", "yesterday"])

@@ -198,7 +198,7 @@ def test_body_over_the_limit_is_413(client: openai.OpenAI, base_url: str) -> Non
         ("POST", "/tokenize"),
         ("POST", "/pause"),
         ("GET", "/load"),
-        ("GET", "/v1/models/x"),
+        ("POST", "/v1/models/x"),
         ("POST", "/v1/embeddings"),
         ("GET", "/v1/chat/completions"),
     ],
@@ -206,7 +206,8 @@ def test_body_over_the_limit_is_413(client: openai.OpenAI, base_url: str) -> Non
 def test_other_engine_paths_are_never_proxied(base_url: str, engine: FakeEngineControl, method: str, path: str) -> None:
     response = httpx.request(method, f"{base_url}{path}", json={"model": MODEL}, timeout=5)
     # Any other path is a 404; a served path asked with another method may be a 405. OpenAI's envelope both.
-    allowed = {(404, "unknown_url"), (405, "method_not_allowed")} if path == "/v1/chat/completions" else set()
+    served_elsewise = ("/v1/chat/completions", "/v1/models/x")
+    allowed = {(404, "unknown_url"), (405, "method_not_allowed")} if path in served_elsewise else set()
     assert (response.status_code, response.json()["error"]["code"]) in {(404, "unknown_url"), *allowed}
     assert engine.requests() == []
 
@@ -350,6 +351,8 @@ def test_unhealthy_engine_gives_fast_503s_and_recovers(
     wait_until(lambda: httpx.get(f"{base_url}/ready").status_code == 503, timeout=3)
     ready = httpx.get(f"{base_url}/ready").json()
     assert ready["engine"]["ok"] is False and ready["redis"]["ok"] is True
+    # The gauges a dashboard reads follow the verdict /ready gives, not a later tick of the pool.
+    assert "nemotron_gateway_engine_up 0.0" in httpx.get(f"{base_url}/metrics").text
     with pytest.raises(openai.InternalServerError) as caught:
         client.chat.completions.create(**chat())
     assert caught.value.status_code == 503
@@ -357,6 +360,7 @@ def test_unhealthy_engine_gives_fast_503s_and_recovers(
     assert engine.requests() == []
     engine.set_health(200)
     wait_until(lambda: httpx.get(f"{base_url}/ready").status_code == 200, timeout=3)
+    assert "nemotron_gateway_engine_up 1.0" in httpx.get(f"{base_url}/metrics").text
     assert client.chat.completions.create(**chat(max_tokens=1)).choices[0].message.content == "tok0"
 
 

@@ -531,8 +531,8 @@ async def test_a_restart_under_load_never_charges_a_budget_twice(
             # tokens the engine reported for the served requests: nothing charged twice, no estimate left behind.
             await async_wait_until(charged_exactly, within=10, message="the budget is not the sum of served usage")
             usage = await probe.hgetall(f"nemotron:usage:{{budget-restart}}:{day}")
-            assert int(usage[b"completions:requests"]) == len(served)
-            assert int(usage[b"completions:tokens"]) == sum(served)
+            assert int(usage[f"completions|{MODEL}:requests".encode()]) == len(served)
+            assert int(usage[f"completions|{MODEL}:tokens".encode()]) == sum(served)
         finally:
             await probe.aclose()
     finally:

@@ -279,7 +279,8 @@ def test_a_background_response_is_queued_then_completed_and_its_usage_counted_on
     assert after["prompt"] - before["prompt"] == done.usage.input_tokens
     assert after["completion"] - before["completion"] == 6
     billed = orjson.loads(keys_output(redis_url, "usage", name, "--json"))
-    (row,) = [row for row in billed if row["api"] == "responses"]
+    # The generation, under its model (a retrieve generates nothing: it is billed under no model).
+    (row,) = [row for row in billed if row["api"] == "responses" and row["model"] == MODEL]
     assert (row["prompt_tokens"], row["completion_tokens"]) == (done.usage.input_tokens, 6)
 
 

@@ -26,8 +26,10 @@ WINDOW = 20.0
 # engine's /metrics every 2 s), 0.65-0.75 % in 20 s windows while the suite ran beside it. The reading is CPU
 # time in 10 ms clock ticks, so each of the 9 processes reads up to a tick (0.05 %) off in a 20 s window.
 CPU_BOUND = 1.0
-# Wake-ups of one worker per second: 14-17 before (uvicorn's ten ticks, two listeners, the monitor), 2-4 after.
-WAKEUP_BOUND = 6.0
+# Wake-ups of one worker per second: 14-17 before (uvicorn's ten ticks, two listeners, the monitor), 2-4 after;
+# with the replica pool's tick (drains and gauges, every 6 s without a watched file) 3-4.7 here alone, the worker
+# holding the probe turn the highest, and 6.05 once while the whole suite ran beside it.
+WAKEUP_BOUND = 8.0
 
 
 @pytest.fixture(scope="module")

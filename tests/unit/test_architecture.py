@@ -50,6 +50,7 @@ SERVICES = (
     "gateway/metrics/",
     "gateway/responses/",
     "gateway/tracing/",
+    "gateway/pool/",
 )
 WEB_LAYER = ("fastapi", "starlette", "gateway.api", "gateway.app", "gateway.http", "gateway.services")
 ENVIRONMENT_READERS = ("gateway/settings.py", "gateway/engine/", "gateway/supervisor/", "gateway/doctor/")

@@ -73,6 +73,7 @@ def test_every_verb_names_a_module_with_its_functions() -> None:
         "up": ["run_up"],
         "keys": ["add_keys_parser", "run_keys"],
         "doctor": ["add_doctor_parser", "run_doctor"],
+        "replicas": ["add_replicas_parser", "run_replicas"],
     }
     for verb, names in expected.items():
         module = importlib.import_module(cli._VERB_MODULES[verb])
@@ -83,7 +84,7 @@ def test_top_level_help_lists_every_verb_without_loading_them(capsys: pytest.Cap
     with pytest.raises(SystemExit):
         cli.build_parser("keys").parse_args(["--help"])
     out = capsys.readouterr().out
-    for verb in ("serve", "engine", "keys", "demo-model", "doctor", "up"):
+    for verb in ("serve", "engine", "keys", "demo-model", "doctor", "up", "replicas"):
         assert verb in out
 
 

@@ -29,21 +29,27 @@ from tests.clock import virtual_time
 
 pytestmark = pytest.mark.timeout(30)
 
-_OK = {"engine": {"ok": True, "reason": None}, "redis": {"ok": True, "reason": None}}
+_OK = {"engine": {"ok": True, "reason": None}, "redis": {"ok": True, "reason": None}, "models": [], "replicas": []}
 
 
 @dataclass
-class _ReadyMonitor:
-    model: Any = None
+class _ReadyPool:
+    """A pool every model of which has a ready replica."""
 
-    async def confirmed_reason(self) -> str | None:
+    async def confirm(self) -> None:
+        pass
+
+    def not_ready_reason(self) -> str | None:
         return None
+
+    def views(self) -> list[Any]:
+        return []
 
 
 @dataclass
 class _HealthyServices:
     settings: Settings = field(default_factory=Settings)
-    monitor: _ReadyMonitor = field(default_factory=_ReadyMonitor)
+    pool: _ReadyPool = field(default_factory=_ReadyPool)
 
     async def check_redis(self) -> str | None:
         return None

@@ -53,6 +53,7 @@ class Rig:
     served: list[bool] = field(default_factory=list)
     seen_ids: list[str] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=lambda: {"x-ratelimit-limit-requests": "10"})
+    target: Any = None
 
     async def release(self, used: int | None, record: RequestRecord | None = None, *, served: bool = True) -> None:
         """The rate-limit lease's release, as the exchange calls it: the tokens it settles with are recorded, and
@@ -73,6 +74,7 @@ class Rig:
                 _never_disconnects,
                 stream=stream,
                 strip_usage=True,
+                target=self.target,
                 lease=self,
                 admitting=admitting,
             )
@@ -81,13 +83,25 @@ class Rig:
     def errors(self) -> dict[str, float]:
         counts = {}
         for kind in EngineErrorKind:
-            value = self.metrics.registry.get_sample_value("nemotron_gateway_engine_errors_total", {"kind": kind})
+            value = self.metrics.registry.get_sample_value(
+                "nemotron_gateway_engine_errors_total", {"replica": self.target.url, "model": "nemotron", "kind": kind}
+            )
             if value:
                 counts[kind.value] = value
         return counts
 
 
 Handler = Callable[[web.Request], Any]
+
+
+class _Target:
+    """The one engine as the exchange's replica."""
+
+    def __init__(
+        self, url: str, client: EngineClient, monitor: EngineMonitor, activity: EngineActivity, metrics: GatewayMetrics
+    ) -> None:
+        self.url, self.client, self.monitor, self.activity = url, client, monitor, activity
+        self.errors = {kind: metrics.engine_errors.labels(url, "nemotron", kind.value) for kind in EngineErrorKind}
 
 
 @pytest.fixture
@@ -125,7 +139,8 @@ async def make_rig() -> AsyncIterator[Callable[..., Any]]:
         cleanups.append(client.stop)
         activity = EngineActivity()
         monitor = EngineMonitor(client, settings.relay, metrics, activity, state_dir=settings.engine.state_dir)
-        rig = Rig(EngineRelay(client, monitor, activity, settings.relay, metrics), monitor, activity, metrics)
+        rig = Rig(EngineRelay(settings.relay, metrics), monitor, activity, metrics)
+        rig.target = _Target(settings.engine_url, client, monitor, activity, metrics)
         rig.seen_ids = seen
         return rig
 

@@ -40,7 +40,18 @@ def test_hot_rows_are_the_relayed_apis_and_the_stored_responses() -> None:
         ("POST", "/v1/responses/{id}/cancel", "responses"),
         ("POST", "/v1/messages", "messages"),
         ("POST", "/v1/messages/count_tokens", "messages"),
+        ("GET", "/v1/models/{model:path}", None),
     }
+
+
+def test_a_model_path_takes_the_rest_of_the_path_slashes_and_all() -> None:
+    table = RouteTable()
+    for path in ("/v1/models/nemotron", "/v1/models/nvidia/NVIDIA-Nemotron-Nano-9B-v2"):
+        found = table.find("GET", path)
+        assert found is not None and found.path == "/v1/models/{model:path}", path
+    assert table.find("GET", "/v1/models/") is None
+    assert table.find("GET", "/v1/models/a//b") is None
+    assert table.find("POST", "/v1/models/nemotron") is None
 
 
 def test_a_path_with_an_id_finds_its_templated_row_and_nothing_else() -> None:

@@ -172,7 +172,10 @@ class _Status:
 
 def test_supervisor_metrics_start_up_duration_restarts_and_last_exit() -> None:
     metrics = SupervisorMetrics()
-    sample = metrics.registry.get_sample_value
+
+    def sample(name: str, labels: dict[str, str] | None = None) -> float | None:
+        return metrics.registry.get_sample_value(name, {"replica": "0", **(labels or {})})
+
     metrics.observe(_Status(EngineState.STARTING, since=100.0))
     metrics.observe(_Status(EngineState.READY, since=142.5))
     assert sample("nemotron_supervisor_engine_startup_duration_seconds") == 42.5
@@ -186,6 +189,24 @@ def test_supervisor_metrics_start_up_duration_restarts_and_last_exit() -> None:
     assert sample("nemotron_supervisor_engine_last_exit", {"cause": "not_generating"}) == 1
     assert sample("nemotron_supervisor_engine_last_exit", {"cause": "crash"}) == 0
     assert sample("nemotron_supervisor_engine_state", {"state": "ready"}) == 1
+
+
+def test_supervisor_metrics_keep_each_replica_apart() -> None:
+    metrics = SupervisorMetrics()
+    sample = metrics.registry.get_sample_value
+    crash = RestartRecord(at=150.0, cause=RestartCause.CRASH, reason="exited", exit_code=-9)
+    metrics.observe(_Status(EngineState.STARTING, since=100.0), replica="0")
+    metrics.observe(_Status(EngineState.STARTING, since=101.0), replica="1")
+    metrics.observe(_Status(EngineState.READY, since=110.0), replica="0")
+    metrics.observe(_Status(EngineState.RESTARTING, since=150.0, restarts=1, history=[crash]), replica="1")
+    assert sample("nemotron_supervisor_engine_up", {"replica": "0"}) == 1
+    assert sample("nemotron_supervisor_engine_up", {"replica": "1"}) == 0
+    assert sample("nemotron_supervisor_engine_startup_duration_seconds", {"replica": "0"}) == 10.0
+    assert sample("nemotron_supervisor_engine_restarts_total", {"replica": "1"}) == 1
+    # A replica that never restarted shows 0 rather than nothing, so a dashboard's max() has a value.
+    assert sample("nemotron_supervisor_engine_restarts_total", {"replica": "0"}) == 0
+    assert sample("nemotron_supervisor_engine_last_exit", {"replica": "1", "cause": "crash"}) == 1
+    assert sample("nemotron_supervisor_engine_state", {"replica": "1", "state": "restarting"}) == 1
 
 
 def test_supervisor_and_gateway_names_do_not_collide() -> None:
@@ -240,6 +261,7 @@ def test_json_access_line(caplog: pytest.LogCaptureFixture) -> None:
         _app, metrics, routes=frozenset({"/v1/chat/completions"}), http=HttpSettings(), log_format="json"
     )
     record = RequestRecord(request_id="abc", started_at=0.0, key_name="team-a", model="nemotron", stream=True)
+    record.replica = "http://10.0.0.2:8000"
     record.first_chunk_at = 0.25
     record.take_usage(
         {"prompt_tokens": 5, "completion_tokens": 11, "completion_tokens_details": {"reasoning_tokens": 7}}
@@ -257,6 +279,10 @@ def test_json_access_line(caplog: pytest.LogCaptureFixture) -> None:
     assert "\n" not in caplog.records[-1].getMessage()  # a client's newline cannot start a forged line
     # The stream's inter-token latency: (1.25 - 0.25) s over 10 gaps.
     assert metrics.registry.get_sample_value("nemotron_gateway_inter_token_latency_seconds_sum") == pytest.approx(0.1)
+    by_replica = {"model": "nemotron", "replica": "http://10.0.0.2:8000"}
+    assert metrics.registry.get_sample_value(
+        "nemotron_gateway_replica_inter_token_latency_seconds_sum", by_replica
+    ) == pytest.approx(0.1)
 
 
 async def test_an_answer_is_counted_before_its_last_byte_goes_out() -> None:

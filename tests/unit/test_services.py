@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.metrics.instruments import GatewayMetrics
-from gateway.relay.readiness import SharedEngineState
+from gateway.relay.readiness import SharedPoolState
 from gateway.services import Services
 from gateway.settings import Settings
 from tests.procs import free_port
@@ -81,7 +81,7 @@ async def test_a_part_failing_to_start_leaves_no_task_or_connection_open(
         relay={"probe_interval": 0.05, "probe_timeout": 0.5},
         engine={"state_dir": tmp_path},
     )
-    services = Services.build(settings, GatewayMetrics(), SharedEngineState())
+    services = Services.build(settings, GatewayMetrics(), SharedPoolState())
     started: list[str] = []
 
     async def limiter_fails() -> None:

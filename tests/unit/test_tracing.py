@@ -246,6 +246,16 @@ def test_a_streamed_chat_becomes_a_server_span_with_the_genai_attributes_and_its
     assert len({span.span_id for span in spans}) == 4
 
 
+def test_the_engine_span_names_the_replica_that_answered() -> None:
+    trace = tracer().begin({})
+    sent(trace)
+    record = finished_record(replica="http://10.0.0.7:8002")
+    engine = decoded(trace.spans(record, 200, ms(41)))[-1]
+    assert engine.kind == "CLIENT"
+    assert (engine.attributes["server.address"], engine.attributes["server.port"]) == ("10.0.0.7", 8002)
+    assert engine.attributes["nemotron.replica"] == "http://10.0.0.7:8002"
+
+
 def test_each_api_names_its_operation_and_finish_reason() -> None:
     answers = {
         "completions": {"id": "cmpl-1", "choices": [{"text": "x", "finish_reason": "stop"}]},
