@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.summary import BENCHMARKS, SUMMARIES, load_all
+from loadtest.summary import BENCHMARKS, FIRST_RUN_PENDING, SUMMARIES, load_all
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "performance.md"
@@ -29,7 +29,8 @@ def begin(benchmark: str) -> str:
 
 
 def render_page(page: str, summaries: Sequence[dict[str, Any]]) -> str:
-    """`page` with each marked table replaced by the newest summary's rendering."""
+    """`page` with each marked table replaced by the newest summary's rendering (a benchmark whose first run is still
+    to come, with no summary yet: nothing between its markers)."""
     newest = {entry["benchmark"]: entry for entry in summaries}  # oldest first: the last one wins
     for benchmark in BENCHMARKS:
         start = page.find(begin(benchmark))
@@ -38,9 +39,12 @@ def render_page(page: str, summaries: Sequence[dict[str, Any]]) -> str:
         end = page.find(END, start)
         if end < 0:
             raise ValueError(f"the {benchmark} table has no end marker")
-        if benchmark not in newest:
+        if benchmark in newest:
+            block = "\n".join([begin(benchmark), "", render(newest[benchmark]), "", END])
+        elif benchmark in FIRST_RUN_PENDING:
+            block = "\n".join([begin(benchmark), END])
+        else:
             raise ValueError(f"no summary of {benchmark} in {SUMMARIES.relative_to(ROOT)}")
-        block = "\n".join([begin(benchmark), "", render(newest[benchmark]), "", END])
         page = page[:start] + block + page[end + len(END) :]
     return page
 
@@ -220,6 +224,86 @@ def _gpu_apis(data: dict[str, Any]) -> list[str]:
     return _table(header, rows)
 
 
+_POOL_TARGETS = {
+    "single": "one replica alone (the reference)",
+    "affinity": "two replicas, affinity",
+    "round_robin": "two replicas, round robin",
+}
+
+
+def _gpu_pool(data: dict[str, Any]) -> list[str]:
+    """Per target, each round's figures; the ratios to the reference are of the medians over the rounds."""
+    header = [
+        "target",
+        "prefix-cache hit rate, each round (÷ one replica alone; goal ≥ 90 %)",
+        "TTFT p50 / p99 ms, each round",
+        "TTFT p50 ÷ round robin's (goal ≤ 0.7\u00d7)",
+        "output tokens/s",
+        "requests on each replica",
+        "errors",
+    ]
+    judged = [p for p in data["phases"] if not p["cut"]]
+    by = {t: [p for p in judged if p["target"] == t] for t in _POOL_TARGETS}
+
+    def median(target: str, field: str) -> float | None:
+        values = [p[field] for p in by[target] if p[field] is not None]
+        return statistics.median(values) if values else None
+
+    single_hit, rr_ttft = median("single", "hit_rate"), median("round_robin", "ttft_p50_ms")
+    rows = []
+    for target, label in _POOL_TARGETS.items():
+        phases = by[target]
+        if not phases:
+            continue
+        hit = ", ".join(_NONE if p["hit_rate"] is None else f"{p['hit_rate'] * 100:.1f} %" for p in phases)
+        own_hit, own_ttft = median(target, "hit_rate"), median(target, "ttft_p50_ms")
+        if target != "single" and own_hit is not None and single_hit:
+            hit += f" (**{own_hit / single_hit * 100:.1f} %**)"
+        ratio = (
+            f"**{own_ttft / rr_ttft:.2f}\u00d7**"
+            if target == "affinity" and own_ttft is not None and rr_ttft
+            else _NONE
+        )
+        spread = "; ".join(
+            " / ".join(_NONE if n is None else f"{n:,.0f}" for n in p["replica_requests"]) for p in phases
+        )
+        failed = sum(p["failed"] or 0 for p in phases)
+        requests = sum(p["requests"] or 0 for p in phases)
+        rows.append(
+            [
+                label,
+                hit,
+                ", ".join(f"{_num(p['ttft_p50_ms'])} / {_num(p['ttft_p99_ms'])}" for p in phases),
+                ratio,
+                ", ".join(_num(p["output_tokens_per_s"], 0) for p in phases),
+                spread,
+                f"{failed:,} of {requests:,}",
+            ]
+        )
+    lines = _table(header, rows)
+    failover = data.get("failover")
+    if failover is not None:
+        bound, cut = failover["gateway_in_flight"], failover.get("gateway_cut_mid_stream")
+        failed = failover["failed"] + (cut or 0)
+        if bound is None or cut is None:
+            verdict = "not judged (the gateway's in-flight count or its cut streams were not read)"
+        else:
+            verdict = f"goal (no failure beyond those in flight): {'met' if failed <= bound else 'not met'}"
+        over = failover.get("gateway_failed_over")
+        lines += [
+            "",
+            f"Failover: the second replica killed (SIGKILL of its process group) once it had finished "
+            f"{failover['finished_there_before']:,.0f} requests of the affinity phase: **{failed:,.0f} of "
+            f"{failover['requests']:,}** requests failed ({failover['failed']:,} by vLLM's client, which counts a "
+            f"stream cut after its first chunk as a success; {_NONE if cut is None else f'{cut:,.0f}'} streams the "
+            f"gateway ended with the error event); {_NONE if over is None else f'{over:,.0f}'} refused by the dead "
+            f"replica before their first byte were failed over and served; in flight there at the kill: "
+            f"{_NONE if bound is None else bound} by the gateway's `/ready`, "
+            f"{_num(failover['engine_running_waiting'], 0)} running or waiting by vLLM's metrics; {verdict}.",
+        ]
+    return lines
+
+
 def _priority(data: dict[str, Any]) -> list[str]:
     phases = [name for repeat in data["repeats"] for name in repeat]
     columns = list(dict.fromkeys(phases))
@@ -329,6 +413,7 @@ _RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "tracing": _tracing,
     "gpu-sweep": _gpu_sweep,
     "gpu-apis": _gpu_apis,
+    "gpu-pool": _gpu_pool,
     "priority": _priority,
     "overload": _overload,
     "soak": _soak,

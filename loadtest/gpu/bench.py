@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class Load:
     temperature: float = 0.0
     range_ratio: float | None = None  # --random-range-ratio: lengths uniform in [len * (1 - r), len * (1 + r)]
     prompts_file: Path | None = None  # vLLM's custom dataset (JSONL) instead of random prompts
+    shuffle: bool = True  # False: the prompts file's lines go in file order (--disable-shuffle)
     burstiness: float | None = None  # --burstiness: 1 is Poisson arrivals (vLLM's default)
     goodput_e2el_ms: float | None = None
     percentile_metrics: str = "ttft,itl,e2el"
@@ -81,6 +83,8 @@ def argv(load: Load, result_dir: Path, name: str) -> list[str]:
             "--dataset-name", "custom", "--dataset-path", str(load.prompts_file),
             "--custom-output-len", str(load.output_len), "--skip-chat-template",
         ]  # fmt: skip
+        if not load.shuffle:
+            dataset.append("--disable-shuffle")
     args = [
         sys.executable, "-m", "loadtest.gpu.bench", "--backend", backend, "--base-url", load.base_url,
         "--endpoint", endpoint, "--model", load.model, "--tokenizer", load.tokenizer,
@@ -142,6 +146,21 @@ def running(client: Client) -> bool:
     if client.process.returncode is not None:
         return False
     return os.waitid(os.P_PID, client.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+
+
+def metric_sums(base_url: str, names: Sequence[str]) -> dict[str, float] | None:
+    """Each of `names` in an engine's /metrics, summed over its label sets (0 when absent); None when unreadable."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return None
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def _cpu(pid: int) -> float | None:

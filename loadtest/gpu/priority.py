@@ -56,17 +56,7 @@ _RUNNING, _WAITING, _GENERATED = (
 def engine_gauges(direct: str) -> dict[str, float] | None:
     """vLLM's running and waiting requests and its output tokens so far, from its /metrics, each summed over its
     label sets; None when unreadable."""
-    try:
-        with urllib.request.urlopen(f"{direct}/metrics", timeout=5) as answer:
-            text = answer.read().decode()
-    except OSError:
-        return None
-    totals = dict.fromkeys((_RUNNING, _WAITING, _GENERATED), 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+    return bench.metric_sums(direct, (_RUNNING, _WAITING, _GENERATED))
 
 
 def engine_queue(direct: str) -> tuple[float, float]:
