@@ -187,7 +187,14 @@ class RequestContextMiddleware:
             metrics.tokens.labels("completion").inc(completion)
         if record.replica is not None:
             metrics.count_replica(
-                record.model or "", record.replica, status, ttft, record.prompt_tokens, completion, inter_token
+                record.model or "",
+                record.replica,
+                status,
+                duration,
+                ttft,
+                record.prompt_tokens,
+                completion,
+                inter_token,
             )
         if record.api is not None:
             metrics.count_api(record.api, status, record.prompt_tokens, completion, record.reasoning_tokens)

@@ -139,6 +139,13 @@ class GatewayMetrics:
             ["model", "replica", "kind"],
             registry=r,
         )
+        self.replica_request_duration = Histogram(
+            "nemotron_gateway_replica_request_duration_seconds",
+            "Time from a request's start to the last byte sent, by the model and the replica that answered it.",
+            ["model", "replica"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.replica_time_to_first_token = Histogram(
             "nemotron_gateway_replica_time_to_first_token_seconds",
             "Seconds from the request's arrival to its first streamed chunk, by model and replica.",
@@ -284,14 +291,16 @@ class GatewayMetrics:
         model: str,
         replica: str,
         status: int,
+        duration: float,
         ttft: float | None,
         prompt: int | None,
         completion: int | None,
         inter_token: float | None = None,
     ) -> None:
-        """Count one request a replica answered: its status, time to first token, inter-token latency (a stream's)
-        and the tokens it reported."""
+        """Count one request a replica answered: its status, duration, time to first token, inter-token latency (a
+        stream's) and the tokens it reported."""
         self.replica_requests.labels(model, replica, str(status)).inc()
+        self.replica_request_duration.labels(model, replica).observe(duration)
         if ttft is not None:
             self.replica_time_to_first_token.labels(model, replica).observe(ttft)
         if inter_token is not None:

@@ -283,6 +283,9 @@ def test_json_access_line(caplog: pytest.LogCaptureFixture) -> None:
     assert metrics.registry.get_sample_value(
         "nemotron_gateway_replica_inter_token_latency_seconds_sum", by_replica
     ) == pytest.approx(0.1)
+    assert metrics.registry.get_sample_value(
+        "nemotron_gateway_replica_request_duration_seconds_sum", by_replica
+    ) == pytest.approx(1.25)
 
 
 async def test_an_answer_is_counted_before_its_last_byte_goes_out() -> None:
