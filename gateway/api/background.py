@@ -25,7 +25,7 @@ import orjson
 
 from gateway.api.conversation import Turn, new_response_id, queued_response
 from gateway.api.stored import replay
-from gateway.api.validation import PreparedRequest, leading_messages
+from gateway.api.validation import PreparedRequest
 from gateway.auth import ApiKey, KeyNotFoundError, KeyState
 from gateway.background import BackgroundTask, Backoff
 from gateway.errors import GatewayError, KeyStoreUnavailableError
@@ -147,9 +147,11 @@ class BackgroundRuns:
         key: ApiKey | None,
         lease: RequestLease | None,
         record: RequestRecord,
+        affinity: bytes,
     ) -> ASGIApp:
         """Store a background response as queued with its job, start its run here, and answer: the queued object,
-        or for `stream: true` its events as they are made. The key's lease (admitted) is the run's."""
+        or for `stream: true` its events as they are made. The key's lease (admitted) is the run's; `affinity`
+        (the request's, as a foreground turn's) picks the replica of whichever gateway runs it."""
         response_id = record.response_id = new_response_id()
         response = queued_response(response_id, turn, prepared)
         job = {
@@ -158,6 +160,7 @@ class BackgroundRuns:
             "key": key.name if key is not None else None,
             "owner": turn.owner,
             "tokens": prepared.tokens_estimate,
+            "affinity": affinity.hex(),
         }
         try:
             await turn.save(response, job)  # with its job, in one step: never a response that nothing would run
@@ -240,7 +243,8 @@ class BackgroundRuns:
         services = self._services
         body = dict(job["body"])
         model = str(body.get("model"))
-        affinity = str(job.get("key")).encode() + b"\0" + leading_messages(body, services.settings.routing.prefix_chars)
+        kept = job.get("affinity")  # absent from a job an older gateway kept: the least loaded replica runs it
+        affinity = bytes.fromhex(kept) if isinstance(kept, str) else None
         try:
             replica, how = services.pool.pick(model, affinity)
         except GatewayError as refused:

@@ -10,6 +10,7 @@ and answers with an ASGI app: the engine's whole answer, or for streams the SSE 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -110,7 +111,8 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
         if lease is not None:
             prepared = await _acquire(lease, prepared)
         priority = _priority(services, key, prepared)
-        return await get_background(request).create(turn, prepared, priority, key, lease, record)
+        affinity = affinity_key(request, services, key, prepared)
+        return await get_background(request).create(turn, prepared, priority, key, lease, record, affinity)
     replica, picked = route(services, record, prepared, affinity_key(request, services, key, prepared))
     try:
         after = turn.keeper(record) if turn is not None else None
@@ -154,14 +156,17 @@ async def relay(request: Request, api: Relayed) -> ASGIApp:
 
 
 def affinity_key(request: Request, services: Services, key: ApiKey | None, prepared: PreparedRequest) -> bytes:
-    """What the request's replica affinity is hashed from: its key's record id with the session header's value when
-    it sends one, else with the conversation's leading messages (the same for every turn of one conversation,
-    whether its history is sent again or continued from a stored response)."""
+    """The request's replica affinity: a digest of its key's record id with the session header's value when it
+    sends one, else with the conversation's leading messages (the same for every turn of one conversation, whether
+    its history is sent again or continued from a stored response, in the foreground or in the background). A
+    short digest: a background response's job keeps it, and the picker hashes it once a replica."""
     owner = (key.key_id if key is not None else "-").encode()
     session = request.headers.get(services.settings.routing.session_header)
     if session:
-        return owner + b"\0session\0" + session.encode("utf-8", "replace")
-    return owner + b"\0" + prepared.leading
+        start = owner + b"\0session\0" + session.encode("utf-8", "replace")
+    else:
+        start = owner + b"\0" + prepared.leading
+    return hashlib.blake2b(start, digest_size=16).digest()
 
 
 def route(

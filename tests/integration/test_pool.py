@@ -392,6 +392,58 @@ def test_many_replicas_spread_conversations_a_burst_of_one_spills_and_a_leaving_
             process.stop()
 
 
+def test_a_responses_conversation_stays_on_its_replica_through_stored_turns_and_background_runs(
+    engines: dict[str, FakeEngineControl], redis_clean: str
+) -> None:
+    secret = create_keys(redis_clean, {"pool-responses": ["--rpm", "0"]})["pool-responses"]
+    gateway = _gateway(engines, redis_clean)
+    try:
+        with httpx.Client(base_url=_url(gateway), timeout=10, headers=_auth(secret)) as client:
+
+            def respond(request_id: str, session: str | None = None, **fields: Any) -> dict[str, Any]:
+                headers = {"X-Request-Id": request_id, **({"X-Session-Id": session} if session else {})}
+                answer = client.post(
+                    "/v1/responses", json={"model": MODEL_A, "max_output_tokens": 2, **fields}, headers=headers
+                )
+                assert answer.status_code == 200, answer.text
+                body: dict[str, Any] = answer.json()
+                return body
+
+            def settled(response_id: str) -> list[str]:
+                # The replica whose engine ran a background response, once the response is done.
+                wait_until(
+                    lambda: client.get(f"/v1/responses/{response_id}").json()["status"] == "completed",
+                    timeout=10,
+                    interval=0.1,
+                    message=f"{response_id} never completed",
+                )
+                return _served_by(engines, f"background-{response_id}")
+
+            homes: dict[str, set[str]] = {}
+            for n in range(6):
+                # Turns continued from stored responses, the first in the foreground or in the background.
+                first = respond(f"chain-{n}-0", input=f"question {n}")
+                homes[f"chain-{n}"] = set(_served_by(engines, f"chain-{n}-0"))
+                queued = respond(f"bg-{n}", input=f"background question {n}", background=True)
+                homes[f"bg-{n}"] = set(settled(queued["id"]))
+                previous = {f"chain-{n}": first["id"], f"bg-{n}": queued["id"]}
+                for conversation, previous_id in previous.items():
+                    for turn in (1, 2):
+                        request_id = f"{conversation}-next-{turn}"
+                        previous_id = respond(request_id, input=f"more {turn}", previous_response_id=previous_id)["id"]
+                        homes[conversation].update(_served_by(engines, request_id))
+                # A session header: its background run goes where its foreground turns go.
+                session = f"pool-session-{n}"
+                homes[session] = set(settled(respond(f"s-bg-{n}", session, input=f"s {n}", background=True)["id"]))
+                for turn in (1, 2):
+                    respond(f"{session}-{turn}", session, input=f"another start {n}-{turn}")
+                    homes[session].update(_served_by(engines, f"{session}-{turn}"))
+            assert all(len(home) == 1 and home <= {"a1", "a2"} for home in homes.values()), homes
+            assert {name for home in homes.values() for name in home} == {"a1", "a2"}  # 18 spread over both
+    finally:
+        gateway.stop()
+
+
 def test_a_remote_replica_declared_to_schedule_by_priority_gets_the_keys_priority_and_an_fcfs_one_none(
     redis_clean: str,
 ) -> None:
